@@ -1,0 +1,39 @@
+"""Helpers every benchmark shares: timing against a baseline, and writing results as JSON."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_call(fn: Callable[[], object], *, min_time_s: float = 0.2, max_reps: int = 50,
+              sync: Callable[[], None] | None = None) -> float:
+    """Median seconds per call, after one warm-up call; repeats until min_time_s or max_reps."""
+    fn()
+    if sync:
+        sync()
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - began < min_time_s):
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write bench/results/<name>.json, stamped with when and where it ran."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    record = {"name": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "host": {"python": platform.python_version(), "machine": platform.machine(),
+                       "processor": platform.processor()}, **payload}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

@@ -1,0 +1,47 @@
+"""Engine settings: one pydantic model, vLLM-compatible names, defaults in one place."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULTS = dict(
+    block_size=16,
+    max_num_seqs=64,
+    max_num_batched_tokens=1024,
+    kv_cache_memory_gb=1.0,
+    gpu_memory_utilization=0.9,
+)
+
+
+class EngineConfig(BaseModel):
+    """Everything an engine replica (or the offline `LLM`) needs to start."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None  # a local HF-format directory; None: the embedded default model
+    tokenizer: str | None = None  # defaults to `model`
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    block_size: int = Field(DEFAULTS["block_size"], ge=1, le=256)
+    max_model_len: int | None = Field(None, ge=1)  # None: the model's max_position_embeddings
+    max_num_seqs: int = Field(DEFAULTS["max_num_seqs"], ge=1)
+    max_num_batched_tokens: int = Field(DEFAULTS["max_num_batched_tokens"], ge=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # KV cache size: CUDA uses a fraction of device memory; CPU a size in GiB. num_kv_blocks wins.
+    gpu_memory_utilization: float = Field(DEFAULTS["gpu_memory_utilization"], gt=0.0, le=1.0)
+    kv_cache_memory_gb: float = Field(DEFAULTS["kv_cache_memory_gb"], gt=0.0)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
+    num_threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU; None: leave as is
+    max_logprobs: int = Field(20, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len without chunked prefill")
+        return self

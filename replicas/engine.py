@@ -1,0 +1,236 @@
+"""LLMEngine: one replica's engine. step() = schedule -> execute -> update, as in vLLM v1.
+
+Knows nothing of Ray or asyncio: the offline `LLM` drives it directly, `AsyncEngine` from a loop.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from replicas.block_manager import BlockManager
+from replicas.config import EngineConfig
+from replicas.default_model import resolve_model
+from replicas.detokenizer import IncrementalDetokenizer
+from replicas.model_runner import ModelRunner
+from replicas.outputs import RequestOutput
+from replicas.request import Request
+from replicas.sampling_params import SamplingParams
+from replicas.scheduler import Scheduler
+from replicas.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        hf = self.runner.hf_config
+        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings,
+                                 hf.max_position_embeddings)
+        self.model_name = config.served_model_name or config.model or Path(self.model_dir).name
+        self.block_size = config.block_size
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   config.enable_chunked_prefill)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.kv_slots_allocated = 0  # summed over steps, for the KV waste figure
+        self.kv_slots_used = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and tokenize; touches no engine state, so it is safe from any thread."""
+        params = (params or SamplingParams()).clone()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        if max(token_ids) >= self.runner.vocab_size or min(token_ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+        num_prompt = len(token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+            params.max_tokens = max(max_tokens, 1)
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        capacity = self.block_manager.num_blocks * self.block_size
+        if num_prompt + max_tokens > capacity:
+            raise ValueError(f"the request needs up to {num_prompt + max_tokens} tokens of KV cache but "
+                             f"this replica holds only {capacity}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}")
+        params.eos_token_ids = set(self.eos_token_ids)
+        request = Request(request_id, text, token_ids, params,
+                          arrival_time=arrival_time or time.monotonic())
+        for i in range(params.n):
+            seq = Sequence(request_id, token_ids, params, self.block_size, index=i,
+                           eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                           arrival_time=request.arrival_time)
+            request.seqs.append(seq)
+            request.detokenizers.append(
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
+                if params.detokenize else None)
+            request.logprobs.append([])
+            request.cumulative_logprobs.append(0.0)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        return request
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add(self.make_request(request_id, prompt, params, arrival_time))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+        request.finish_time = time.monotonic()
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        allocated, used = self.scheduler.kv_slot_waste()
+        self.kv_slots_allocated += allocated
+        self.kv_slots_used += used
+        result = self.runner.execute(sched)
+        self.num_steps += 1
+        self.num_prompt_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.samples)
+        for item in sched.scheduled:
+            if item.seq.seq_id in result.prompt_logprobs:
+                self._add_prompt_logprobs(item.seq, *result.prompt_logprobs[item.seq.seq_id])
+        sampling = [s.seq for s in sched.scheduled if s.samples and not s.seq.is_finished]
+        self.scheduler.update(sched, result.sampled_token_ids)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token_id, logprobs in zip(sampling, result.sampled_token_ids, result.logprobs):
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            self.num_generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if logprobs is not None:
+                self._fill_decoded([logprobs])
+                request.logprobs[seq.index].append(logprobs)
+                request.cumulative_logprobs[seq.index] += logprobs[token_id].logprob
+            self._detokenize(request, seq, token_id)
+            if seq.is_finished:
+                self.runner.release(seq.seq_id)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.finish_time = now
+                del self.requests[request.request_id]
+            outputs.append(request.output())
+        return outputs
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_waiting": self.scheduler.num_waiting,
+            "num_running": self.scheduler.num_running,
+            "num_requests": len(self.requests),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_queries": bm.num_query_tokens,
+            "prefix_cache_hits": bm.num_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "kv_slot_waste": (1 - self.kv_slots_used / self.kv_slots_allocated
+                              if self.kv_slots_allocated else 0.0),
+        }
+
+    # -- internals --------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string, a list of token ids, or a dict with "
+                         "'prompt' or 'prompt_token_ids'")
+
+    def _detokenize(self, request: Request, seq: Sequence, token_id: int) -> None:
+        detok = request.detokenizers[seq.index]
+        if detok is None:
+            return
+        detok.append([token_id])
+        params = request.sampling_params
+        if params.stop and not seq.is_finished:
+            stop = detok.check_stop(params.stop, params.include_stop_str_in_output)
+            if stop is not None:
+                seq.stop_reason = stop
+                self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, status)
+            self.runner.release(seq.seq_id)
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, positions: list) -> None:
+        # After a preemption the prompt is recomputed: keep only positions not seen before.
+        known = self.requests[seq.request_id].prompt_logprobs
+        skip = len(known) - (start + 1)
+        if 0 <= skip < len(positions):
+            self._fill_decoded(positions[skip:])
+            known.extend(positions[skip:])
+
+    def _fill_decoded(self, positions) -> None:
+        for position in positions:
+            if position is None:
+                continue
+            for token_id, logprob in position.items():
+                if logprob.decoded_token is None:
+                    logprob.decoded_token = self.tokenizer.decode([token_id])
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    ids: list[int] = []
+    path = Path(model_dir) / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.extend([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

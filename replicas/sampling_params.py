@@ -1,0 +1,81 @@
+"""Per-request sampling settings, vLLM-compatible names and normalisation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per generated token (the sampled one always included)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # Filled by the engine, not the user.
+    eos_token_ids: set[int] = field(default_factory=set, repr=False)  # the model's; set by the engine
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            self.top_k = 0
+        if self.temperature < _GREEDY_EPS:
+            # Greedy ignores the truncation knobs, as in vLLM.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.verify()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def verify(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}")
+
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+              f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+              f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+              f"must be in (0, 2], got {self.repetition_penalty}")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+              f"must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+              f"must be in [0, 20], got {self.logprobs}")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+              f"must be in [0, 20], got {self.prompt_logprobs}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+
+    def clone(self, **changes) -> "SamplingParams":
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "eos_token_ids"}
+        fields.update(changes)
+        return SamplingParams(**fields)

@@ -1,0 +1,171 @@
+"""Token-centric continuous batching: every step, each sequence catches num_computed_tokens up
+toward num_tokens under one token budget. Prefill, chunked prefill, prefix-cache hits and decode
+are the same rule. Preemption is by recompute. Pure Python.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replicas.block_manager import BlockManager
+from replicas.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # num_computed_tokens before this step: first position computed now
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Caught up to its last token, so this step yields its next token."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The handoff to the model runner. The runner reads it and never mutates scheduler state."""
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Running sequences first, oldest first; the youngest is preempted when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_scheduled(out, seq, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break
+        # Admit waiting sequences, first come first served, unless this step had to preempt.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks, num_cached = [], 0
+            if seq.sampling_params.prompt_logprobs is None:  # prompt logprobs need every position
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
+            num_new = seq.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
+                break
+            self.block_manager.record_lookup(seq.num_tokens, num_cached)
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_cached
+            self._add_scheduled(out, seq, num_new)
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Append each sampling sequence's new token; finish those that hit a stop condition.
+
+        sampled_token_ids has one entry per scheduled sequence that samples, in order.
+        Returns the sequences that received a token.
+        """
+        updated = []
+        tokens = iter(sampled_token_ids)
+        for item in out.scheduled:
+            if not item.samples or item.seq.is_finished:
+                continue
+            seq, token_id = item.seq, next(tokens)
+            seq.append_token(token_id)
+            updated.append(seq)
+            status = self._check_stop(seq, token_id)
+            if status is not None:
+                self.finish(seq, status)
+        return updated
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def kv_slot_waste(self) -> tuple[int, int]:
+        """(allocated slots, slots holding a token) over running sequences."""
+        allocated = sum(len(s.block_table) for s in self.running) * self.block_manager.block_size
+        used = sum(s.num_computed_tokens for s in self.running)
+        return allocated, used
+
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        seq.num_computed_tokens += num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

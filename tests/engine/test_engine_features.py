@@ -1,0 +1,140 @@
+"""Sampling, stopping, n > 1, limits and cleanup through the real engine on a tiny model."""
+import asyncio
+
+import pytest
+
+from replicas import LLM, SamplingParams
+from replicas.async_engine import AsyncEngine
+from replicas.config import EngineConfig
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_model_len=256)
+
+
+def tokens(out):
+    return [c.token_ids for c in out.outputs]
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
+    alone = llm.generate("the quick brown fox", params, use_tqdm=False)[0]
+    others = [SamplingParams(temperature=0.8, max_tokens=n) for n in (3, 20, 7)]
+    batch = llm.generate(["hello world", "the quick brown fox", "paged attention", "ray serve"],
+                         [others[0], params, others[1], others[2]], use_tqdm=False)
+    assert tokens(batch[1]) == tokens(alone)
+    again = llm.generate("the quick brown fox", params.clone(seed=99), use_tqdm=False)[0]
+    assert tokens(again) != tokens(alone)
+
+
+def test_outputs_in_input_order(llm):
+    prompts = [f"prompt {'x ' * i}" for i in range(6)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=2 + 3 * i) for i in range(6)],
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2 + 3 * i for i in range(6)]
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    engine = llm.llm_engine
+    prompt = list(range(10, 74))  # 64 tokens = 4 full blocks of 16
+    engine.block_manager.reset_prefix_cache()
+    free_before = engine.block_manager.num_free_blocks
+    engine.add_request("n4", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, seed=0,
+                                                                          max_tokens=8, ignore_eos=True))
+    engine.step()
+    # Sample 0 computes 4 blocks; samples 1-3 hit its first 3 and recompute only the last one.
+    assert free_before - engine.block_manager.num_free_blocks == 4 + 3
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished and len(final.outputs) == 4
+    assert all(len(c.token_ids) == 8 for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_strings_cut_exactly(llm):
+    base = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = base.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = text.index(stop)
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut + len(stop)]
+
+
+def test_stop_token_ids_cut_exactly(llm):
+    base = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = base[10]
+    first = base.index(stop_id)
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                     stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_too_long_prompt_raises_clear_error(llm):
+    with pytest.raises(ValueError, match="maximum context length is 256 tokens.*250 in the prompt"):
+        llm.generate({"prompt_token_ids": [5] * 250}, SamplingParams(max_tokens=10), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_abort_frees_every_block(llm):
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"a{i}", "the quick brown fox " * (i + 1), SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    for i in range(3):
+        assert engine.abort_request(f"a{i}").outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),
+                   use_tqdm=False)[0]
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_async_engine_streams_and_aborts(model_dir):
+    async def main():
+        engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=256))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        texts = [out.outputs[0].text async for out in engine.generate("hello world", params, "s1")]
+        assert len(texts) >= 2 and all(texts[-1].startswith(t) for t in texts)
+        stream = engine.generate("hello world", params.clone(max_tokens=200), "s2")
+        await stream.__anext__()
+        await stream.aclose()  # a client that goes away
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not engine.engine.has_unfinished_requests():
+                break
+        stats = engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        with pytest.raises(ValueError, match="maximum context length"):
+            async for _ in engine.generate([3] * 300, params, "s3"):
+                pass
+        assert engine.is_healthy()
+        engine.shutdown()
+        return texts[-1]
+
+    last = asyncio.run(main())
+    offline = LLM(model_dir, max_model_len=256).generate(
+        "hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert last == offline[0].outputs[0].text

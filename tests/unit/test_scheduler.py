@@ -1,0 +1,152 @@
+import subprocess
+import sys
+
+from replicas.block_manager import BlockManager
+from replicas.sampling_params import SamplingParams
+from replicas.scheduler import Scheduler
+from replicas.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=64, max_seqs=8, budget=64, max_len=256, chunked=True, caching=True):
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    return Scheduler(bm, max_seqs, budget, max_len, chunked), bm
+
+
+def seq(n_prompt, max_tokens=4, start=0, **kw):
+    return Sequence("r", list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens, **kw), BS)
+
+
+def run_to_completion(sched, token=7, max_steps=1000):
+    steps = []
+    for _ in range(max_steps):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        steps.append([(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled])
+        sched.update(out, [token] * sum(s.samples for s in out.scheduled))
+    return steps
+
+
+def test_prefill_then_decode_one_token_each():
+    sched, bm = make()
+    a, b = seq(5), seq(3, start=100)
+    sched.add(a), sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        (a, 0, 5, True), (b, 0, 3, True)]
+    sched.update(out, [11, 12])
+    assert a.output_token_ids == [11] and b.output_token_ids == [12]
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(5, 1), (3, 1)]
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched, _ = make(budget=8)
+    a = seq(20)
+    sched.add(a)
+    steps = run_to_completion(sched)
+    # 20 prompt tokens in chunks of 8, 8, 4 (sampling on the last), then 3 decodes.
+    assert [step[0][1:] for step in steps] == [(0, 8), (8, 8), (16, 4), (20, 1), (21, 1), (22, 1)]
+    assert a.status is SequenceStatus.FINISHED_LENGTH and a.num_output_tokens == 4
+
+
+def test_decodes_and_prefill_chunk_share_a_step():
+    sched, _ = make(budget=10)
+    a = seq(4)
+    sched.add(a)
+    sched.update(sched.schedule(), [1])
+    b = seq(30, start=50)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 9)]
+
+
+def test_without_chunking_a_long_prompt_waits_for_budget():
+    sched, _ = make(budget=16, chunked=False, max_len=16)
+    a, b = seq(10), seq(10, start=100)
+    sched.add(a), sched.add(b)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a]
+
+
+def test_max_num_seqs():
+    sched, _ = make(max_seqs=2)
+    seqs = [seq(3, start=10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]
+    assert sched.num_waiting == 1
+
+
+def test_preemption_by_recompute_and_no_lost_request():
+    # 6 blocks of 4 = 24 slots; three sequences of 6 prompt + 8 output = 14 tokens each cannot
+    # all fit, so the youngest is preempted and recomputed later.
+    sched, bm = make(num_blocks=6)
+    seqs = [seq(6, max_tokens=8, start=10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0
+    assert all(s.status is SequenceStatus.FINISHED_LENGTH and s.num_output_tokens == 8 for s in seqs)
+    assert bm.num_free_blocks == bm.num_blocks
+    assert any(s.num_preemptions for s in seqs)
+
+
+def test_preempted_sequence_resumes_from_its_tokens():
+    sched, bm = make(num_blocks=4)
+    a, b = seq(4, max_tokens=8), seq(4, max_tokens=8, start=100)
+    sched.add(a), sched.add(b)
+    run_to_completion(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert a.token_ids[:4] == [0, 1, 2, 3] and b.token_ids[:4] == [100, 101, 102, 103]
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    sched, bm = make()
+    a = seq(12, max_tokens=1)
+    sched.add(a)
+    run_to_completion(sched)
+    b = seq(12, max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit.
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(8, 4)]
+    assert b.num_cached_tokens == 8
+
+
+def test_stop_conditions():
+    sched, _ = make()
+    eos = seq(3, max_tokens=10)
+    eos.sampling_params.eos_token_ids = {5}
+    ignore = seq(3, max_tokens=2, ignore_eos=True, start=10)
+    ignore.sampling_params.eos_token_ids = {5}
+    stop_id = seq(3, max_tokens=10, stop_token_ids=[5], start=20)
+    min_tok = seq(3, max_tokens=10, min_tokens=2, start=30)
+    min_tok.sampling_params.eos_token_ids = {5}
+    for s in (eos, ignore, stop_id, min_tok):
+        sched.add(s)
+    run_to_completion(sched, token=5)
+    assert eos.status is SequenceStatus.FINISHED_STOPPED and eos.num_output_tokens == 1
+    assert ignore.status is SequenceStatus.FINISHED_LENGTH and ignore.num_output_tokens == 2
+    assert stop_id.status is SequenceStatus.FINISHED_STOPPED and stop_id.stop_reason == 5
+    assert min_tok.num_output_tokens == 2
+
+
+def test_abort_frees_blocks():
+    sched, bm = make()
+    a, b = seq(9), seq(9, start=50)
+    sched.add(a), sched.add(b)
+    sched.update(sched.schedule(), [1, 1])
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert bm.num_free_blocks == bm.num_blocks and not sched.has_unfinished()
+
+
+def test_control_plane_imports_neither_torch_nor_ray():
+    code = ("import sys; import replicas.sequence, replicas.block_manager, replicas.scheduler, "
+            "replicas.block_hash; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
