@@ -4,8 +4,12 @@ Decode sequences (query_len 1) are sorted by context length and cut into groups 
 K/V stay cache-sized; each group is one block gather plus one scaled_dot_product_attention call
 with the query heads of a KV head laid out as that head's "query positions" (GQA without copying
 K/V per query head). Prefill chunks go one sequence at a time through SDPA with enable_gqa, causal
-with the offset seq_len - query_len. bf16 and fp32 run in their own dtype (SDPA accumulates in
-fp32); fp16 runs in fp32, since torch's CPU kernels are several times slower in fp16.
+with the offset seq_len - query_len.
+
+Dtypes, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half the bytes gathered;
+SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster than fp32 on this
+CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32: torch's CPU fp16
+kernels are several times slower.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def decode_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
@@ -60,7 +64,7 @@ def _decode(query, kv_cache, metadata, scale, out, starts, decodes) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    dtype = compute_dtype(kv_cache.dtype)
+    dtype = decode_dtype(kv_cache.dtype)
     token_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
     seq_lens = metadata.seq_lens_cpu
     order = sorted(decodes, key=lambda b: seq_lens[b])
@@ -96,7 +100,7 @@ def _decode(query, kv_cache, metadata, scale, out, starts, decodes) -> None:
 
 def _prefill(query, kv_cache, metadata, scale, out, start, q_len, b) -> None:
     block_size = kv_cache.shape[2]
-    dtype = compute_dtype(kv_cache.dtype)
+    dtype = torch.float32
     s_len = metadata.seq_lens_cpu[b]
     num_blocks = (s_len + block_size - 1) // block_size
     block_ids = metadata.block_tables[b, :num_blocks].long()

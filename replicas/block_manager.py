@@ -86,12 +86,13 @@ class BlockManager:
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        total = seq.num_computed_tokens + num_new_tokens
+        total = self._num_tokens_after(seq, num_new_tokens, computed_blocks)
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
         return num_new_blocks + self.num_evictable_hits(list(computed_blocks)) <= self.num_free_blocks
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Make seq's block table cover num_computed_tokens + num_new_tokens tokens.
+        """Make seq's block table cover its computed tokens, the computed_blocks' tokens and
+        num_new_tokens more.
 
         computed_blocks (from get_computed_blocks, for a newly scheduled seq) are taken first.
         Returns False, changing nothing, when the free pool is too small (the caller preempts).
@@ -100,10 +101,10 @@ class BlockManager:
         """
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
+        total = self._num_tokens_after(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
             self._take(block_id)
             seq.block_table.append(block_id)
-        total = seq.num_computed_tokens + num_new_tokens
         while len(seq.block_table) < self.blocks_needed(total):
             block_id = self._pop_free()
             self._take(block_id)
@@ -138,6 +139,9 @@ class BlockManager:
         return events
 
     # -- internals --------------------------------------------------------------------------
+    def _num_tokens_after(self, seq: Sequence, num_new_tokens: int, computed_blocks) -> int:
+        return seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 from replicas.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.default_model import resolve_model
-from replicas.detokenizer import IncrementalDetokenizer
+from replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from replicas.model_runner import ModelRunner
 from replicas.outputs import RequestOutput
 from replicas.request import Request
@@ -32,6 +32,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.token_decoder = TokenDecoder(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
         hf = self.runner.hf_config
         self.max_model_len = min(config.max_model_len or hf.max_position_embeddings,
@@ -87,7 +88,8 @@ class LLMEngine:
             request.seqs.append(seq)
             request.detokenizers.append(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                       params.spaces_between_special_tokens)
+                                       params.spaces_between_special_tokens, params.stop,
+                                       params.include_stop_str_in_output, params.min_tokens)
                 if params.detokenize else None)
             request.logprobs.append([])
             request.cumulative_logprobs.append(0.0)
@@ -195,13 +197,11 @@ class LLMEngine:
         detok = request.detokenizers[seq.index]
         if detok is None:
             return
-        detok.append([token_id])
-        params = request.sampling_params
-        if params.stop and not seq.is_finished:
-            stop = detok.check_stop(params.stop, params.include_stop_str_in_output)
-            if stop is not None:
-                seq.stop_reason = stop
-                self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+        # An eos / stop token's own text is left out, as in vLLM.
+        detok.append([token_id], stop_terminated=seq.status is SequenceStatus.FINISHED_STOPPED)
+        if detok.stop_str is not None and not seq.is_finished:
+            seq.stop_reason = detok.stop_str
+            self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if not seq.is_finished:
@@ -222,7 +222,7 @@ class LLMEngine:
                 continue
             for token_id, logprob in position.items():
                 if logprob.decoded_token is None:
-                    logprob.decoded_token = self.tokenizer.decode([token_id])
+                    logprob.decoded_token = self.token_decoder.decode_token(token_id)
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:

@@ -20,11 +20,14 @@ def min_tokens_active(seq: Sequence) -> bool:
 
 
 def stop_token_ids(seq: Sequence) -> set[int]:
-    """Ids that would end `seq` now: stop_token_ids, the engine's all_stop_token_ids, and eos."""
+    """Ids that would end `seq` now: stop_token_ids, plus eos (the sequence's and the model's
+    `eos_token_ids`) unless ignore_eos."""
     p = seq.sampling_params
-    ids = set(p.stop_token_ids) | p.all_stop_token_ids
-    if seq.eos_token_id is not None and not p.ignore_eos:
-        ids.add(seq.eos_token_id)
+    ids = set(p.stop_token_ids)
+    if not p.ignore_eos:
+        ids.update(getattr(p, "eos_token_ids", None) or ())
+        if seq.eos_token_id is not None:
+            ids.add(seq.eos_token_id)
     return ids
 
 
@@ -61,10 +64,12 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition (prompt + output tokens, HF/vLLM), then frequency and presence (output only, OpenAI).
+    """Repetition (prompt + output tokens, HF/vLLM), then frequency and presence (output tokens
+    only, OpenAI).
 
     The token lists of the rows that need penalties are padded into one [M, L] tensor with the
-    pad id `vocab_size`; counts are scatter_add-ed into [M, V + 1] and the pad column dropped.
+    pad id `vocab_size`; counts are scatter-ed into [M, V + 1] and the pad column dropped. A
+    penalty no chosen row uses is skipped (for a row, a neutral penalty is an exact no-op).
     """
     rows = [i for i, seq in enumerate(seqs) if has_penalties(seq)]
     if not rows:
@@ -74,26 +79,32 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     max_len = max(seq.num_tokens for seq in chosen)
     table = [seq.token_ids + [vocab_size] * (max_len - seq.num_tokens) for seq in chosen]
     tokens = torch.tensor(table, dtype=torch.long, device=device).clamp_(0, vocab_size)
-    prompt_lens = torch.tensor([seq.num_prompt_tokens for seq in chosen], device=device)
-    is_output = torch.arange(max_len, device=device)[None, :] >= prompt_lens[:, None]
 
-    seen = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    seen.scatter_(1, tokens, True)
-    output_counts = torch.zeros(len(rows), vocab_size + 1, dtype=logits.dtype, device=device)
-    output_counts.scatter_add_(1, tokens, is_output.to(logits.dtype))
-    seen, output_counts = seen[:, :vocab_size], output_counts[:, :vocab_size]
-
-    def column(name: str) -> torch.Tensor:
+    def column(name: str) -> torch.Tensor | None:
         values = [float(getattr(seq.sampling_params, name)) for seq in chosen]
+        if all(v == (1.0 if name == "repetition_penalty" else 0.0) for v in values):
+            return None
         return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
 
     all_rows = len(rows) == num_rows
     index = None if all_rows else torch.tensor(rows, device=device)
     sub = logits if all_rows else logits[index]
     repetition = column("repetition_penalty")
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    sub = sub - column("frequency_penalty") * output_counts
-    sub = sub - column("presence_penalty") * (output_counts > 0).to(logits.dtype)
+    if repetition is not None:
+        seen = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, tokens, True)
+        factor = torch.where(seen[:, :vocab_size], repetition, 1.0)
+        sub = torch.where(sub > 0, sub / factor, sub * factor)
+    frequency, presence = column("frequency_penalty"), column("presence_penalty")
+    if frequency is not None or presence is not None:
+        prompt_lens = torch.tensor([seq.num_prompt_tokens for seq in chosen], device=device)
+        is_output = torch.arange(max_len, device=device)[None, :] >= prompt_lens[:, None]
+        counts = torch.zeros(len(rows), vocab_size + 1, dtype=logits.dtype, device=device)
+        counts = counts.scatter_add_(1, tokens, is_output.to(logits.dtype))[:, :vocab_size]
+        if frequency is not None:
+            sub = sub - frequency * counts
+        if presence is not None:
+            sub = sub - presence * (counts > 0).to(logits.dtype)
     if all_rows:
         logits.copy_(sub)
     else:

@@ -11,13 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.logprobs import gather_logprobs
+from replicas.logprobs import compute_prompt_logprobs, gather_logprobs
 from replicas.outputs import PositionLogprobs
 from replicas.penalties import (apply_logit_bias, apply_min_tokens, apply_penalties,
                                 has_penalties, min_tokens_active)
 from replicas.sequence import Sequence
 
+__all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
+
 _SEED_MASK = (1 << 64) - 1
+# Tokens a top_p row looks at before falling back to a full sort of its vocabulary.
+TOP_P_CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -71,7 +75,8 @@ class Sampler:
         if raw_logprobs is not None:
             chosen = sampled[logprob_rows] if len(logprob_rows) != len(seqs) else sampled
             num_logprobs = [seqs[i].sampling_params.logprobs for i in logprob_rows]
-            for i, position in zip(logprob_rows, gather_logprobs(raw_logprobs, chosen, num_logprobs)):
+            positions = gather_logprobs(raw_logprobs, chosen, num_logprobs)
+            for i, position in zip(logprob_rows, positions):
                 logprobs[i] = position
         return SamplerOutput(sampled.tolist(), logprobs)
 
@@ -84,8 +89,8 @@ class Sampler:
         x = logits if all_random else logits[random_rows]
         temperature = [seq.sampling_params.temperature for seq in chosen]
         x.div_(torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None])
-        _apply_min_p(x, chosen)
-        _apply_top_k_top_p(x, chosen)
+        apply_min_p(x, chosen)
+        apply_top_k_top_p(x, chosen)
         probs = x.softmax(dim=-1)
         random_sampled = probs.div_(self._exponential_noise(probs, chosen)).argmax(dim=-1)
         if all_random:
@@ -95,15 +100,19 @@ class Sampler:
         return sampled
 
     def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """q ~ Exp(1) per entry; argmax(probs / q) is a sample from probs (the Gumbel-max trick)."""
+        """q ~ Exp(1) per entry; argmax(probs / q) is a sample from probs (the Gumbel-max trick
+        in exponential form, as vLLM does).
+
+        q = -log(U), U uniform in [0, 1): several times faster on CPU than exponential_, and
+        never 0 (U = 0 gives q = inf, so probs / q = 0 and no NaN can win the argmax).
+        """
         q = torch.empty_like(probs)
         seeded = [(i, seq) for i, seq in enumerate(seqs) if seq.sample_seed is not None]
         if len(seeded) < len(seqs):
-            q.exponential_()
+            q.uniform_()
         for i, seq in seeded:
-            q[i].exponential_(generator=self._generator(seq))
-        # Exp(1) can return exactly 0: 0/0 would be NaN, which argmax would pick.
-        return q.clamp_(min=torch.finfo(q.dtype).tiny)
+            q[i].uniform_(generator=self._generator(seq))
+        return q.log_().neg_()
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         generator = self._generators.get(seq.seq_id)
@@ -114,7 +123,7 @@ class Sampler:
         return generator
 
 
-def _apply_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """vLLM: drop tokens whose probability is below min_p × the top token's probability."""
     rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.min_p > 0.0]
     if not rows:
@@ -129,21 +138,25 @@ def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Rows with top_p < 1 take vLLM's sort path (top_k and top_p together); rows with only top_k
-    take a cheaper topk threshold. Which path a row takes depends only on its own settings."""
+def apply_top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's top_k then top_p (top_p over the top_k-renormalised probabilities).
+
+    Rows with only top_k take a topk threshold; rows with top_p look at their top candidates
+    first and fall back to vLLM's full sort only when those cannot decide. Which path a row
+    takes depends only on that row, never on the batch.
+    """
     vocab_size = logits.shape[1]
-    top_p_rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.top_p < 1.0]
-    top_k_rows = [i for i, seq in enumerate(seqs)
-                  if seq.sampling_params.top_p >= 1.0 and 0 < seq.sampling_params.top_k < vocab_size]
+    params = [seq.sampling_params for seq in seqs]
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    top_k_rows = [i for i, p in enumerate(params) if p.top_p >= 1.0 and 0 < p.top_k < vocab_size]
 
     def top_k(rows: list[int]) -> torch.Tensor:
-        k = [min(seqs[i].sampling_params.top_k or vocab_size, vocab_size) for i in rows]
+        k = [min(params[i].top_k or vocab_size, vocab_size) for i in rows]
         return torch.tensor(k, dtype=torch.long, device=logits.device)
 
     if top_p_rows:
-        top_p = torch.tensor([seqs[i].sampling_params.top_p for i in top_p_rows], device=logits.device)
-        _update_rows(logits, top_p_rows, lambda x: _top_k_top_p_sorted(x, top_k(top_p_rows), top_p))
+        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=logits.device)
+        _update_rows(logits, top_p_rows, lambda x: _top_k_top_p(x, top_k(top_p_rows), top_p))
     if top_k_rows:
         _update_rows(logits, top_k_rows, lambda x: _top_k_only(x, top_k(top_k_rows)))
 
@@ -153,6 +166,38 @@ def _top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     top_values = logits.topk(int(k.max()), dim=-1).values
     threshold = top_values.gather(1, (k - 1)[:, None])
     return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Same result as _top_k_top_p_sorted, from the top TOP_P_CANDIDATES tokens of each row.
+
+    In descending order a token survives top_p when 1 - (mass of the tokens above it) > 1 - p
+    (vLLM's ascending cumsum, read from the top). The candidates decide a row when top_k cuts
+    inside them (no tie at the k-th value runs past them), or, with top_k off, when the first
+    token past them is dropped. Other rows (a flat distribution, k > candidates) are sorted.
+    """
+    vocab_size = logits.shape[1]
+    n = min(TOP_P_CANDIDATES, vocab_size)
+    top_values, indices = logits.topk(n, dim=-1)
+    k_on = (k < vocab_size)[:, None]
+    kth = top_values.gather(1, (k.clamp(max=n) - 1)[:, None])
+    values = top_values.masked_fill(k_on & (top_values < kth), float("-inf"))
+    lse = torch.where(k_on, torch.logsumexp(values, dim=-1, keepdim=True),
+                      torch.logsumexp(logits, dim=-1, keepdim=True))
+    probs = (values - lse).exp_()
+    cumulative = probs.cumsum(dim=-1)
+    one_minus_p = (1 - p[:, None]).to(probs.dtype)
+    drop = 1 - (cumulative - probs) <= one_minus_p
+    drop[:, 0] = False
+    values.masked_fill_(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(1, indices, values)
+    if n < vocab_size:
+        decided = torch.where(k_on, (k[:, None] <= n) & (top_values[:, -1:] < kth),
+                              1 - cumulative[:, -1:] <= one_minus_p)[:, 0]
+        if not bool(decided.all()):
+            rows = torch.nonzero(~decided).flatten()
+            out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], p[rows])
+    return out
 
 
 def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

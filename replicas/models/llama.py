@@ -16,12 +16,31 @@ from torch import nn
 
 from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata
-from replicas.models.rotary import RotaryEmbedding
+from replicas.models.rotary import RotaryEmbedding, apply_rotary
 
 
 def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _weight(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _weight(num_embeddings, embedding_dim, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
 
 
 def head_dim_of(config) -> int:
@@ -54,10 +73,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 dtype: torch.dtype, device):
+    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
         super().__init__()
-        self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -67,30 +84,24 @@ class LlamaAttention(nn.Module):
         is_qwen2 = config.model_type == "qwen2"
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv_proj = nn.Module()
-        self.qkv_proj.weight = _weight(qkv_size, config.hidden_size, dtype=dtype, device=device)
-        self.qkv_proj.bias = (_weight(qkv_size, dtype=dtype, device=device)
-                              if is_qwen2 or attention_bias else None)
-        self.o_proj = nn.Module()
-        self.o_proj.weight = _weight(config.hidden_size, self.q_size, dtype=dtype, device=device)
-        self.o_proj.bias = (_weight(config.hidden_size, dtype=dtype, device=device)
-                            if attention_bias and not is_qwen2 else None)
-        self.rotary = rotary
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, is_qwen2 or attention_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias and not is_qwen2,
+                             dtype, device)
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(hidden)
         # q and k sit side by side in the fused output: rotate them in one call.
         num_qk_heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = self.rotary(positions, qk)
+        qk = apply_rotary(qk, *rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         out = self.backend.paged_attention(q, kv_cache, attn_metadata, self.scale)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -100,51 +111,42 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")
         self.intermediate_size = config.intermediate_size
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _weight(2 * self.intermediate_size, config.hidden_size,
-                                           dtype=dtype, device=device)
-        self.gate_up_proj.bias = (_weight(2 * self.intermediate_size, dtype=dtype, device=device)
-                                  if mlp_bias else None)
-        self.down_proj = nn.Module()
-        self.down_proj.weight = _weight(config.hidden_size, self.intermediate_size,
-                                        dtype=dtype, device=device)
-        self.down_proj.bias = _weight(config.hidden_size, dtype=dtype, device=device) if mlp_bias else None
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, mlp_bias, dtype, device)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 dtype: torch.dtype, device):
+    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, backend, dtype, device)
+        self.self_attn = LlamaAttention(config, backend, dtype, device)
         self.mlp = LlamaMLP(config, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+    def forward(self, rotary, hidden, kv_cache, attn_metadata):
+        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 dtype: torch.dtype, device):
+    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings,
+                                          dtype, device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, backend, dtype, device)
-            for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, backend, dtype, device) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
-        hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions)  # gathered once, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+            hidden = layer(rotary, hidden, kv_cache, attn_metadata)
         return self.norm(hidden)
 
 
@@ -176,13 +178,11 @@ class LlamaForCausalLM(nn.Module):
         window = sliding_window_of(config)
         # Sequences no longer than the window attend exactly as in training; beyond it they would not.
         self.max_context_len = min(config.max_position_embeddings, window or config.max_position_embeddings)
-        self.rotary = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings, dtype, device)
-        self.model = LlamaModel(config, self.rotary, attention_backend, dtype, device)
+        self.model = LlamaModel(config, attention_backend, dtype, device)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -59,10 +59,10 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Rotates packed query and key heads by their token positions.
+    """The cos | sin table for every position up to max_positions.
 
-    The table holds cos | sin for every position up to max_positions, computed in float32 exactly
-    as transformers does, then stored in the model dtype; a step only gathers rows of it.
+    Computed in float32 exactly as transformers does, then stored in the model dtype; a step
+    gathers its rows once and every layer reuses them through apply_rotary.
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
@@ -74,8 +74,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)  # [max_positions, head_dim]
         self.max_positions = max_positions
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, num_heads, head_dim] -> rotated copy of the same shape."""
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim // 2]."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] -> rotated copy (the "rotate half" layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

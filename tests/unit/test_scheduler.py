@@ -108,13 +108,16 @@ def test_prefix_cache_hit_skips_computed_tokens():
     sched, bm = make()
     a = seq(12, max_tokens=1)
     sched.add(a)
-    run_to_completion(sched)
+    sched.schedule()
+    a_blocks = list(a.block_table)
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
     b = seq(12, max_tokens=1)
     sched.add(b)
     out = sched.schedule()
     # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit.
     assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(8, 4)]
     assert b.num_cached_tokens == 8
+    assert b.block_table[:2] == a_blocks[:2] and len(b.block_table) == 3
 
 
 def test_stop_conditions():

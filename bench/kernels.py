@@ -1,0 +1,258 @@
+"""Paged-attention kernels against baselines measured in the same run.
+
+    python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V)
+    python -m bench.kernels           CUDA: Triton vs reference (correctness), decode KV bandwidth
+                                      and prefill TFLOP/s, SDPA (flash) on contiguous K/V as baseline
+
+Shapes default to the embedded model (SmolLM2-135M: 9 heads, 3 KV heads, head_dim 64, block 16).
+Results go to bench/results/kernels_cpu.json or kernels_cuda.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import time_call, write_result
+from kernels import reference
+from kernels.backend import get_attention_backend
+from kernels.metadata import AttentionMetadata
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Batch:
+    """A scattered paged KV cache holding every sequence's context, plus the step's queries."""
+
+    def __init__(self, seqs: list[tuple[int, int]], args, dtype: torch.dtype, device: str, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        bs = args.block_size
+        counts = [(s + bs - 1) // bs for _, s in seqs]
+        ids = torch.randperm(sum(counts), generator=gen).tolist()
+        tables, taken = [], 0
+        for n in counts:
+            tables.append(ids[taken:taken + n])
+            taken += n
+        shape = (2, sum(counts), bs, args.kv_heads, args.head_dim)
+        self.kv_cache = torch.randn(shape, dtype=dtype, device=device)
+        num_tokens = sum(q for q, _ in seqs)
+        self.query = torch.randn(num_tokens, args.heads, args.head_dim, dtype=dtype, device=device)
+        self.key = torch.randn(num_tokens, args.kv_heads, args.head_dim, dtype=dtype, device=device)
+        self.value = torch.randn_like(self.key)
+        self.metadata = AttentionMetadata.build([q for q, _ in seqs], [s for _, s in seqs], tables,
+                                                bs, device=device)
+        self.scale = args.head_dim ** -0.5
+        self.seqs = seqs
+
+    def kv_bytes(self) -> int:
+        """K and V bytes attention must read: every sequence's context, once."""
+        token = 2 * self.kv_cache.shape[3] * self.kv_cache.shape[4] * self.kv_cache.element_size()
+        return sum(s for _, s in self.seqs) * token
+
+    def flops(self) -> int:
+        """QK^T and PV multiply-adds over the causal (query, key) pairs, 2 FLOPs each."""
+        pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in self.seqs)
+        return 4 * pairs * self.query.shape[1] * self.query.shape[2]
+
+    def contiguous_sdpa(self):
+        """The same attention on contiguous per-sequence K/V: what paging costs is measured by this."""
+        q_all, k_all, v_all, masks = [], [], [], []
+        starts = self.metadata.query_start_loc.tolist()
+        for b, (q_len, s_len) in enumerate(self.seqs):
+            k, v = reference.gather_kv(self.kv_cache, self.metadata.block_tables[b], s_len)
+            q_all.append(self.query[starts[b]:starts[b] + q_len].transpose(0, 1)[None].contiguous())
+            k_all.append(k.transpose(0, 1)[None].contiguous())
+            v_all.append(v.transpose(0, 1)[None].contiguous())
+            if q_len == s_len:
+                masks.append(None)
+            else:
+                q_pos = torch.arange(s_len - q_len, s_len, device=k.device)[:, None]
+                masks.append(torch.arange(s_len, device=k.device)[None, :] <= q_pos)
+        if all(q == 1 for q, _ in self.seqs) and len({s for _, s in self.seqs}) == 1:
+            # A uniform decode batch is one batched call, as a contiguous cache would allow.
+            q, k, v = torch.cat(q_all), torch.cat(k_all), torch.cat(v_all)
+            return lambda: F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
+
+        def run():
+            for q, k, v, mask in zip(q_all, k_all, v_all, masks):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                               scale=self.scale, enable_gqa=True)
+        return run
+
+
+def decode(batch: int, context: int) -> list[tuple[int, int]]:
+    return [(1, context)] * batch
+
+
+def ragged_decode(batch: int, low: int, high: int, seed=0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(1, rng.randint(low, high)) for _ in range(batch)]
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def cpu_cases(quick: bool):
+    cases = [(f"decode B={b} ctx={c}", decode(b, c)) for b in (1, 16, 64) for c in (128, 512, 2048)
+             if not (quick and b * c > 16 * 512)]
+    cases.append(("decode B=64 ctx=16..2048", ragged_decode(64, 16, 2048)))
+    cases += [(f"prefill {q}", [(q, q)]) for q in (128, 512, 1024) if not (quick and q > 512)]
+    cases.append(("chunk 512 after 1024 cached", [(512, 1536)]))
+    cases.append(("mixed 256-chunk + 32 decodes ctx 512", [(256, 256)] + decode(32, 512)))
+    return cases
+
+
+def run_cpu(args) -> None:
+    torch.set_num_threads(args.threads)
+    fast = get_attention_backend("torch", "cpu")
+    auto = get_attention_backend("auto", "cpu")
+    rows = []
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        print(f"\n{dtype_name}, {args.threads} thread(s); times in ms; "
+              f"x ref = reference / torch, x sdpa = torch / contiguous SDPA")
+        print(f"{'case':38} {'reference':>10} {'torch':>9} {'sdpa':>8} {'x ref':>7} {'x sdpa':>7} {'err':>8}")
+        for name, seqs in cpu_cases(args.quick):
+            b = Batch(seqs, args, dtype, "cpu")
+            expected = reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale)
+            err = max_error(fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale), expected)
+            t_ref = time_call(lambda: reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
+                              min_time_s=args.min_time, max_reps=5)
+            t_fast = time_call(lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
+                               min_time_s=args.min_time)
+            t_sdpa = time_call(b.contiguous_sdpa(), min_time_s=args.min_time)
+            rows.append(dict(kind="attention", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
+                             torch_ms=t_fast * 1e3, sdpa_contiguous_ms=t_sdpa * 1e3,
+                             speedup_vs_reference=t_ref / t_fast, slowdown_vs_sdpa=t_fast / t_sdpa,
+                             max_error=err))
+            print(f"{name:38} {t_ref * 1e3:10.2f} {t_fast * 1e3:9.2f} {t_sdpa * 1e3:8.2f} "
+                  f"{t_ref / t_fast:7.2f} {t_fast / t_sdpa:7.2f} {err:8.1e}", flush=True)
+        for name, seqs in [("store_kv 64 decode tokens", decode(64, 512)), ("store_kv 1024 prefill tokens", [(1024, 1024)])]:
+            b = Batch(seqs, args, dtype, "cpu")
+            slots = b.metadata.slot_mapping
+            t_ref = time_call(lambda: reference.store_kv(b.key, b.value, b.kv_cache, slots), min_time_s=args.min_time)
+            t_fast = time_call(lambda: fast.store_kv(b.key, b.value, b.kv_cache, slots), min_time_s=args.min_time)
+            rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
+                             torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
+            print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>8} {t_ref / t_fast:7.2f}")
+    losses = [r for r in rows if r["speedup_vs_reference"] < 1.0]
+    winner = "torch" if not losses else "mixed"
+    print(f"\nauto on CPU -> {auto.name!r}; torch beats reference in {len(rows) - len(losses)}/{len(rows)} cases")
+    for r in losses:
+        print(f"  reference faster: {r['case']} ({r['dtype']}) x{r['speedup_vs_reference']:.2f}")
+    path = write_result("kernels_cpu", dict(threads=args.threads, auto_backend=auto.name, winner=winner,
+                                            shape=shape_of(args), rows=rows))
+    print(f"wrote {path}")
+
+
+def shape_of(args) -> dict:
+    return dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size)
+
+
+def run_cuda(args) -> None:
+    from kernels import triton_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        def timed(fn):  # do_bench flushes L2 between calls, so KV reads come from HBM
+            return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+    else:
+        def timed(fn):
+            return time_call(fn, min_time_s=0.0, max_reps=1)
+    dtype = DTYPES[args.dtype[0]]
+    tri = get_attention_backend("triton", device)
+    rows, failures = [], 0
+
+    # Correctness first: every path of the Triton backend against the spec, on this device.
+    checks = [[(1, 1), (1, 17), (1, 300)], [(37, 37), (1, 40), (9, 200), (1, 1000)], decode(4, 3000)]
+    for seqs in checks[:2] if args.smoke else checks:
+        for splits in (1, None, 4):
+            b = Batch(seqs, args, dtype, device)
+            cache_ref, cache_tri = b.kv_cache.clone(), b.kv_cache.clone()
+            reference.store_kv(b.key, b.value, cache_ref, b.metadata.slot_mapping)
+            tri.store_kv(b.key, b.value, cache_tri, b.metadata.slot_mapping)
+            expected = reference.paged_attention(b.query, cache_ref, b.metadata, b.scale)
+            actual = triton_attention.paged_attention(b.query, cache_tri, b.metadata, b.scale, num_splits=splits)
+            err = max_error(actual, expected)
+            ok = torch.equal(cache_ref, cache_tri) and err < {torch.float32: 1e-4}.get(dtype, 2e-2)
+            failures += not ok
+            rows.append(dict(kind="check", seqs=len(seqs), num_splits=splits, max_error=err, ok=ok))
+            print(f"check {len(seqs)} seqs splits={splits}: max error {err:.1e} {'ok' if ok else 'FAIL'}")
+
+    kv_token = 2 * args.kv_heads * args.head_dim * torch.tensor([], dtype=dtype).element_size()
+    print(f"\ndecode, {args.dtype[0]}: effective KV read GB/s (fraction of {args.peak_gbps:.0f} GB/s peak); "
+          f"x sdpa = contiguous SDPA time / Triton time")
+    print(f"{'batch':>6} {'ctx':>6} {'splits':>6} {'GB/s':>8} {'peak':>6} {'no-split GB/s':>13} {'x sdpa':>7}")
+    grid = [(b, c) for b in args.batches for c in args.contexts if b * c * kv_token <= args.max_kv_gb * 2**30]
+    for batch, context in ([(2, 64), (1, 200)] if args.smoke else grid):
+        b = Batch(decode(batch, context), args, dtype, device)
+        splits = triton_attention.choose_num_splits(b.metadata, b.kv_cache, b.query.shape[1])
+        t_auto = timed(lambda: tri.paged_attention(b.query, b.kv_cache, b.metadata, b.scale))
+        t_one = timed(lambda: triton_attention.paged_attention(b.query, b.kv_cache, b.metadata, b.scale, num_splits=1))
+        t_sdpa = timed(b.contiguous_sdpa())
+        gbps, gbps_one = b.kv_bytes() / t_auto / 1e9, b.kv_bytes() / t_one / 1e9
+        rows.append(dict(kind="decode", batch=batch, context=context, num_splits=splits, triton_s=t_auto,
+                         triton_no_split_s=t_one, sdpa_contiguous_s=t_sdpa, gbps=gbps,
+                         fraction_of_peak=gbps / args.peak_gbps, speedup_vs_sdpa=t_sdpa / t_auto))
+        print(f"{batch:6} {context:6} {splits:6} {gbps:8.0f} {gbps / args.peak_gbps:6.1%} {gbps_one:13.0f} "
+              f"{t_sdpa / t_auto:7.2f}", flush=True)
+
+    print(f"\nprefill, {args.dtype[0]}: TFLOP/s (causal FLOPs only); x sdpa = contiguous SDPA time / Triton time")
+    print(f"{'seqs':>5} {'q_len':>6} {'cached':>6} {'TFLOP/s':>8} {'sdpa':>8} {'x sdpa':>7}")
+    prefills = [(4, 512, 0), (2, 2048, 0), (1, 8192, 0), (4, 512, 2048), (1, 2048, 8192)]
+    for num_seqs, q_len, cached in ([(1, 20, 0), (1, 9, 30)] if args.smoke else prefills):
+        b = Batch([(q_len, q_len + cached)] * num_seqs, args, dtype, device)
+        t_tri = timed(lambda: tri.paged_attention(b.query, b.kv_cache, b.metadata, b.scale))
+        t_sdpa = timed(b.contiguous_sdpa())
+        tflops, sdpa_tflops = b.flops() / t_tri / 1e12, b.flops() / t_sdpa / 1e12
+        rows.append(dict(kind="prefill", seqs=num_seqs, query_len=q_len, cached=cached, triton_s=t_tri,
+                         sdpa_contiguous_s=t_sdpa, tflops=tflops, speedup_vs_sdpa=t_sdpa / t_tri))
+        print(f"{num_seqs:5} {q_len:6} {cached:6} {tflops:8.2f} {sdpa_tflops:8.2f} {t_sdpa / t_tri:7.2f}", flush=True)
+
+    name = "kernels_cuda" if device == "cuda" else "kernels_cuda_smoke"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    path = write_result(name, dict(device=device_name, dtype=args.dtype[0], peak_gbps=args.peak_gbps,
+                                   shape=shape_of(args), failures=failures, rows=rows))
+    print(f"wrote {path}")
+    if failures:
+        sys.exit(1)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="benchmark the CPU paths")
+    p.add_argument("--dtype", default=None, help="comma-separated: float32,bfloat16,float16")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steady when cores are shared)")
+    p.add_argument("--quick", action="store_true", help="CPU: skip the largest shapes")
+    p.add_argument("--min-time", type=float, default=0.3, help="CPU: seconds of repeats per measurement")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--peak-gbps", type=float, default=4800.0, help="device memory bandwidth (H200: 4800)")
+    p.add_argument("--batches", default="1,8,32,64,256", help="CUDA decode batch sizes")
+    p.add_argument("--contexts", default="512,2048,8192,32768", help="CUDA decode context lengths")
+    p.add_argument("--max-kv-gb", type=float, default=16.0, help="CUDA: skip decode shapes with more KV")
+    p.add_argument("--smoke", action="store_true",
+                   help="run the CUDA script's code paths at toy sizes (on CPU under TRITON_INTERPRET=1)")
+    args = p.parse_args(argv)
+    args.dtype = (args.dtype or ("float32,bfloat16" if args.cpu else "bfloat16")).split(",")
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    if args.cpu:
+        run_cpu(args)
+    elif torch.cuda.is_available() or (args.smoke and os.environ.get("TRITON_INTERPRET") == "1"):
+        run_cuda(args)
+    else:
+        sys.exit("no CUDA device: use --cpu (or --smoke with TRITON_INTERPRET=1 to exercise the CUDA script)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Offline throughput: pagedserve `LLM.generate` vs transformers `generate` (static padded batches).
+
+Same seeded workload, same model, dtype and thread count, measured in one run; each system runs
+in its own subprocess so peak RSS is its own. Prints output tokens/s, the ratio, KV waste.
+
+    python -m bench.offline_throughput [--num-requests 128] [--model DIR] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import write_result
+
+
+def workload(args, vocab_size: int, special_ids: set[int]) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    usable = [t for t in range(vocab_size) if t not in special_ids]
+    return [([rng.choice(usable) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+             rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_pagedserve(args, requests) -> dict:
+    from replicas import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory_gb=args.kv_cache_gb)
+    llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.llm_engine.stats()
+    return {"seconds": elapsed, "output_tokens": generated, "kv_slot_waste": stats["kv_slot_waste"],
+            "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"]}
+
+
+def run_transformers(args, requests) -> dict:
+    import torch
+    import transformers
+
+    from replicas.default_model import resolve_model
+    model_dir = resolve_model(args.model)
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), args.hf_batch_size):
+        batch = requests[i:i + args.hf_batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        new = max(n for _, n in batch)  # a static batch runs until its longest request is done
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+        generated += sum(n for _, n in batch)  # only the tokens each request asked for count
+    return {"seconds": time.perf_counter() - start, "output_tokens": generated}
+
+
+def child(args) -> None:
+    import torch
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from replicas.default_model import resolve_model
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
+    result = (run_pagedserve if args.child == "pagedserve" else run_transformers)(args, requests)
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="pagedserve,transformers")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    results = {}
+    for system in args.systems.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, "-m", "bench.offline_throughput", *sys.argv[1:], "--child", system,
+                   "--out", tmp.name]
+            subprocess.run(cmd, check=True)
+            results[system] = json.load(open(tmp.name))
+        r = results[system]
+        print(f"{system:>14}: {r['tokens_per_s']:8.1f} output tok/s  ({r['output_tokens']} tokens, "
+              f"peak RSS {r['peak_rss_mb']:.0f} MB)")
+    summary = {"config": vars(args), "results": results}
+    if "pagedserve" in results and "transformers" in results:
+        ratio = results["pagedserve"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+        summary["ratio_vs_transformers"] = ratio
+        print(f"pagedserve / transformers throughput: {ratio:.2f}x")
+    if "pagedserve" in results:
+        print(f"KV-cache waste (allocated but unused slots, step average): "
+              f"{100 * results['pagedserve']['kv_slot_waste']:.2f} %")
+    print("wrote", write_result("offline_throughput", summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The only place deployments are bound: settings -> Ingress + EngineReplica application.
+
+`serve run serve_app:app key=value ...` calls `app(args)`; programs call `build_app(settings)`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from replicas.deployment import EngineReplica
+from serve_app.config import ServeSettings
+from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
+
+APP_NAME = "pagedserve"
+INGRESS_DEPLOYMENT = "Ingress"
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+def replica_options(settings: ServeSettings) -> dict[str, Any]:
+    """Ray Serve options of the EngineReplica deployment, sized from the engine's batch."""
+    options: dict[str, Any] = dict(
+        name=REPLICA_DEPLOYMENT,
+        max_ongoing_requests=settings.replica_ongoing_limit,
+        max_queued_requests=settings.max_queued_requests,
+        health_check_period_s=settings.health_check_period_s,
+        health_check_timeout_s=settings.health_check_timeout_s,
+        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus},
+    )
+    if settings.autoscaling:
+        min_replicas = settings.min_replicas if settings.min_replicas is not None else 1
+        autoscaling: dict[str, Any] = dict(
+            min_replicas=min_replicas,
+            max_replicas=settings.max_replicas or max(min_replicas, settings.num_replicas),
+            initial_replicas=max(min_replicas, min(settings.num_replicas,
+                                                   settings.max_replicas or settings.num_replicas)),
+            # Ray's default policy counts running + queued requests per replica.
+            target_ongoing_requests=settings.engine.max_num_seqs + settings.target_queue_depth,
+        )
+        if settings.autoscaling_policy:
+            autoscaling["policy"] = {"policy_function": settings.autoscaling_policy}
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = settings.num_replicas
+    if settings.request_router_class:
+        options["request_router_config"] = {
+            "request_router_class": settings.request_router_class,
+            "request_router_kwargs": settings.request_router_kwargs,
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        }
+    return options
+
+
+def ingress_options(settings: ServeSettings) -> dict[str, Any]:
+    return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
+                max_ongoing_requests=settings.ingress_max_ongoing_requests,
+                ray_actor_options={"num_cpus": settings.ingress_num_cpus})
+
+
+def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Application:
+    """The application: `serve.run(build_app({...}), name="pagedserve", route_prefix="/")`."""
+    if not isinstance(settings, ServeSettings):
+        settings = ServeSettings.from_args(settings)
+    replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
+        settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s)
+    return serve.deployment(Ingress, **ingress_options(settings)).bind(replica, settings)
+
+
+def app(args: dict[str, str]) -> Application:
+    """Application builder for `serve run serve_app:app key=value ...` and config files."""
+    return build_app(ServeSettings.from_args(args))

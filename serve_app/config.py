@@ -1,0 +1,139 @@
+"""Serving settings: one pydantic model, defaults in one place, engine arguments passed through.
+
+`serve run serve_app:app key=value ...` hands a flat dict of strings to `ServeSettings.from_args`:
+keys that name an `EngineConfig` field go to the engine, the rest are serving settings. A bad key
+or value fails the deploy at once with a message naming it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from replicas.config import EngineConfig
+
+API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+
+DEFAULTS = dict(
+    num_replicas=1,
+    num_threads=1,  # torch threads per CPU replica: 2-thread torch collapses when a core is shared
+    ingress_max_ongoing_requests=4096,  # Ray Serve's default of 5 would silently cap concurrency
+    max_queued_requests=1024,
+    retry_after_s=1,
+    health_check_period_s=2.0,
+    health_check_timeout_s=30.0,
+    engine_stall_timeout_s=120.0,
+    graceful_shutdown_timeout_s=20.0,
+    target_queue_depth=4.0,
+)
+
+
+class ServeSettings(BaseModel):
+    """Everything `serve_app.app.build_app` needs; `engine` is handed to every replica as is."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(num_threads=DEFAULTS["num_threads"]))
+    # Empty: no authentication. Read from PAGEDSERVE_API_KEYS when not given.
+    api_keys: list[str] = Field(default_factory=list)
+
+    # Replicas. min/max_replicas turn on autoscaling around target_queue_depth.
+    num_replicas: int = Field(DEFAULTS["num_replicas"], ge=1)
+    min_replicas: int | None = Field(None, ge=0)
+    max_replicas: int | None = Field(None, ge=1)
+    target_queue_depth: float = Field(DEFAULTS["target_queue_depth"], gt=0)
+    replica_num_cpus: float | None = Field(None, ge=0)  # None: the engine's num_threads
+    replica_num_gpus: float = Field(0, ge=0)
+    # Requests Ray sends one replica at once; None: the engine's max_num_seqs.
+    replica_max_ongoing_requests: int | None = Field(None, ge=1)
+    # Requests waiting for a replica in one ingress before it answers 429 (-1: unbounded).
+    max_queued_requests: int = Field(DEFAULTS["max_queued_requests"], ge=-1)
+    retry_after_s: int = Field(DEFAULTS["retry_after_s"], ge=0)
+    health_check_period_s: float = Field(DEFAULTS["health_check_period_s"], gt=0)
+    health_check_timeout_s: float = Field(DEFAULTS["health_check_timeout_s"], gt=0)
+    # A replica whose engine has work but has not stepped for this long reports itself unhealthy.
+    engine_stall_timeout_s: float = Field(DEFAULTS["engine_stall_timeout_s"], gt=0)
+    graceful_shutdown_timeout_s: float = Field(DEFAULTS["graceful_shutdown_timeout_s"], ge=0)
+
+    # Ingress.
+    num_ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0, ge=0)
+    ingress_max_ongoing_requests: int = Field(DEFAULTS["ingress_max_ongoing_requests"], ge=1)
+
+    # Seams: import paths ("module:attr") for a custom engine class, request router, and
+    # autoscaling policy function. None: AsyncEngine, Ray Serve's default router and policy.
+    engine_class: str | None = None
+    request_router_class: str | None = None
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
+    autoscaling_policy: str | None = None
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value):
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeSettings":
+        if self.min_replicas is not None and self.max_replicas is not None \
+                and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None or self.min_replicas is not None
+
+    @property
+    def replica_cpus(self) -> float:
+        if self.replica_num_cpus is not None:
+            return self.replica_num_cpus
+        return float(self.engine.num_threads or 1)
+
+    @property
+    def replica_ongoing_limit(self) -> int:
+        return self.replica_max_ongoing_requests or self.engine.max_num_seqs
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None = None, *, env: dict[str, str] | None = None
+                  ) -> "ServeSettings":
+        """Build from a flat dict (`serve run ... key=value`, a config file's `args`).
+
+        Engine fields (`model`, `max_num_seqs`, ...) may be given flat or under `engine`.
+        """
+        args = dict(args or {})
+        env = os.environ if env is None else env
+        engine_args = dict(args.pop("engine", None) or {})
+        engine_fields = set(EngineConfig.model_fields)
+        serve_fields = set(cls.model_fields) - {"engine"}
+        unknown = sorted(k for k in args if k not in engine_fields and k not in serve_fields)
+        if unknown:
+            raise ValueError(
+                f"unknown setting(s) {', '.join(unknown)}. Serving settings: "
+                f"{', '.join(sorted(serve_fields))}. Engine settings: {', '.join(sorted(engine_fields))}.")
+        for key in [k for k in args if k in engine_fields]:
+            engine_args[key] = args.pop(key)
+        engine_args.setdefault("num_threads", DEFAULTS["num_threads"])
+        for key, value in list(engine_args.items()):
+            if value in ("None", "none", "null", ""):  # command-line spelling of "default"
+                engine_args[key] = None
+        if "api_keys" not in args and env.get(API_KEYS_ENV):
+            args["api_keys"] = env[API_KEYS_ENV]
+        try:
+            engine = EngineConfig.model_validate(engine_args)
+            return cls.model_validate({**args, "engine": engine})
+        except ValidationError as exc:
+            raise ValueError(f"invalid pagedserve setting(s):\n{_describe(exc)}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"] if p != "engine") or "settings"
+        given = error.get("input")
+        given = "" if isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"  {where}: {error['msg']}{given}")
+    return "\n".join(lines)

@@ -1,0 +1,153 @@
+"""The HTTP surface: a FastAPI app built per ingress instance over its typed methods.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
+/metrics, /version, /docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
+a failure after a stream started is sent as an error event, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from serve_app import errors
+from serve_app.errors import OpenAIError
+from serve_app.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
+                                ModelList, TokenizeRequest, TokenizeResponse)
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
+                        "/redoc", "/openapi.json"})
+COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                 "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
+
+
+class FrontDoorMiddleware:
+    """API keys and request counting, as plain ASGI (no per-chunk cost on streams).
+
+    `Authorization: Bearer <key>` is required on every route but OPEN_PATHS when keys are set; the
+    token is compared with every key in constant time.
+    """
+
+    def __init__(self, app, api_keys: list[str], record_status, model_name):
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+        self.record_status = record_status
+        self.model_name = model_name
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        ok = False
+        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = COUNTED_PATHS.get(path, "other")
+        status = [500]
+
+        async def send_and_count(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.keys and path not in OPEN_PATHS and scope.get("method") != "OPTIONS" \
+                    and not self._authorized(scope):
+                await errors.unauthorized().to_response()(scope, receive, send_and_count)
+            else:
+                await self.app(scope, receive, send_and_count)
+        finally:
+            if endpoint != "other":
+                self.record_status(self.model_name(), endpoint, status[0])
+
+
+def _json(model) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+async def _sse(chunks: AsyncIterator) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except OpenAIError as exc:
+        yield exc.sse_event()
+    except Exception as exc:  # noqa: BLE001 - a bug after the stream started: tell the client
+        logger.exception("stream failed")
+        yield errors.internal_error(exc).sse_event()
+    yield "data: [DONE]\n\n"
+
+
+def _result(result) -> Response:
+    if isinstance(result, (CompletionResponse, ChatCompletionResponse)):
+        return _json(result)
+    return StreamingResponse(_sse(result), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_http_app(ingress) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=VERSION,
+                  description="OpenAI-compatible LLM serving on Ray Serve.")
+    errors.install_error_handlers(app)
+    app.add_middleware(FrontDoorMiddleware, api_keys=ingress.settings.api_keys,
+                       record_status=ingress.metrics.record_status, model_name=ingress.model_name)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models():
+        return _json(await ingress.models())
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
+    async def retrieve_model(model_id: str):
+        for card in (await ingress.models()).data:
+            if card.id == model_id:
+                return _json(card)
+        raise errors.model_not_found(model_id)
+
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_completion(request: CompletionRequest):
+        return _result(await ingress.completions(request))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_chat_completion(request: ChatCompletionRequest):
+        return _result(await ingress.chat(request))
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(request: TokenizeRequest):
+        return _json(await ingress.tokenize(request))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(request: DetokenizeRequest):
+        return _json(await ingress.detokenize(request))
+
+    @app.get("/health")
+    async def health():
+        healthy, reason = await ingress.health()
+        if not healthy:
+            return errors.unavailable(reason, ingress.settings.retry_after_s).to_response()
+        return JSONResponse({"status": "ok", "detail": reason})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        from serve_app.metrics import prometheus_text
+        return PlainTextResponse(await prometheus_text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    return app

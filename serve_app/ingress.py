@@ -1,0 +1,336 @@
+"""The Ingress deployment: validate, tokenize, hash, send to an engine replica, shape the answer.
+
+Its typed methods (`models`, `completions`, `chat`, `tokenize`, `detokenize`, `health`) serve both
+the HTTP routes (`serve_app.http`) and Ray handles from other jobs:
+
+    handle = serve.get_app_handle("pagedserve")
+    response = await handle.chat.remote({"messages": [...], "max_tokens": 16})
+    async for chunk in handle.options(stream=True).chat.remote({..., "stream": True}): ...
+
+A streaming call returns an async iterator of chunk objects; it is created only after the first
+output arrived, so a bad request or a full queue raises `OpenAIError` instead of starting a stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from replicas.block_hash import block_hashes
+from replicas.deployment import GenerateDelta, GenerateRequest
+from serve_app import errors
+from serve_app.config import ServeSettings
+from serve_app.errors import OpenAIError
+from serve_app.metrics import IngressMetrics
+from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
+                                TokenizeCompletionRequest, TokenizeResponse, random_id)
+from serve_app.replica_stream import ReplicaStream, merge_streams
+from serve_app import formatters
+
+logger = logging.getLogger(__name__)
+
+REPLICA_DEPLOYMENT = "EngineReplica"
+HEALTH_CACHE_S = 0.5
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    block_size: int
+    vocab_size: int
+    max_logprobs: int
+    tokenizer: Any
+    created: int
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+@serve.ingress()
+class Ingress:
+    """Front door of the application; one instance per ingress replica."""
+
+    async def __init__(self, engine_replica, settings: ServeSettings | dict):
+        self.settings = ServeSettings.model_validate(settings)
+        self.replica = engine_replica
+        self.replica_stream = engine_replica.options(stream=True)
+        self._info: ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+        self._health: tuple[float, bool, str] = (0.0, False, "")
+        self._last_engine_failure = float("-inf")
+        self.metrics = IngressMetrics()
+
+    def model_name(self) -> str:
+        return self._info.name if self._info is not None else ""
+
+    def __serve_build_asgi_app__(self):
+        from serve_app.http import build_http_app
+        return build_http_app(self)
+
+    # -- model -------------------------------------------------------------------------------
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    try:
+                        info = await self.replica.model_info.remote()
+                    except Exception as exc:
+                        raise self._map_error(exc) from None
+                    self._info = ModelInfo(
+                        name=info["model_name"], max_model_len=info["max_model_len"],
+                        block_size=info["block_size"], vocab_size=info["vocab_size"],
+                        max_logprobs=info["max_logprobs"], tokenizer=info["tokenizer"],
+                        created=int(time.time()))
+        return self._info
+
+    async def models(self) -> ModelList:
+        info = await self.model_info()
+        return ModelList(data=[ModelCard(id=info.name, created=info.created, root=info.name,
+                                         max_model_len=info.max_model_len)])
+
+    async def _checked_model(self, model: str | None) -> ModelInfo:
+        info = await self.model_info()
+        if model and model != info.name:
+            raise errors.model_not_found(model)
+        return info
+
+    # -- completions ---------------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest | dict):
+        """A CompletionResponse, or (request.stream) an async iterator of CompletionStreamResponse."""
+        request = _parse(CompletionRequest, request)
+        info = await self._checked_model(request.model)
+        prompts = self._completion_prompts(request, info)
+        if request.logprobs is not None and request.logprobs > info.max_logprobs:
+            raise errors.bad_request(f"logprobs must be at most {info.max_logprobs}", "logprobs")
+        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        request_id = random_id("cmpl")
+        started = time.monotonic()
+        generate = [self._generate_request(f"{request_id}-{i}" if len(prompts) > 1 else request_id,
+                                           p, request, request.max_tokens, request.logprobs,
+                                           prompt_logprobs, info, "prompt")
+                    for i, p in enumerate(prompts)]
+        replica_streams = await self._start(generate)
+        formatter = formatters.CompletionFormatter(request, info, request_id, prompts)
+        merged = merge_streams(replica_streams)
+        if request.stream:
+            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
+        response = await formatter.collect(merged)
+        self._record(formatter, info, started, replica_streams)
+        return response
+
+    def _completion_prompts(self, request: CompletionRequest, info: ModelInfo) -> list[Prompt]:
+        prompt = request.prompt
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                ids = info.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+                prompts.append(Prompt(ids, item))
+            else:
+                if any(t < 0 or t >= info.vocab_size for t in item):
+                    raise errors.bad_request(f"prompt token ids must be in [0, {info.vocab_size})",
+                                             "prompt")
+                prompts.append(Prompt(list(item), None))
+        return prompts
+
+    # -- chat ----------------------------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest | dict):
+        """A ChatCompletionResponse, or (request.stream) an async iterator of chunks."""
+        request = _parse(ChatCompletionRequest, request)
+        info = await self._checked_model(request.model)
+        prompt = self._chat_prompt(request, info)
+        num_top = request.top_logprobs or 0
+        if num_top > info.max_logprobs:
+            raise errors.bad_request(f"top_logprobs must be at most {info.max_logprobs}",
+                                     "top_logprobs")
+        request_id = random_id("chatcmpl")
+        started = time.monotonic()
+        generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
+                                          num_top if request.logprobs else None, None, info, "messages")
+        replica_streams = await self._start([generate])
+        formatter = formatters.ChatFormatter(request, info, request_id)
+        merged = merge_streams(replica_streams)
+        if request.stream:
+            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
+        response = await formatter.collect(merged)
+        self._record(formatter, info, started, replica_streams)
+        return response
+
+    def _chat_prompt(self, request: ChatCompletionRequest | TokenizeChatRequest,
+                     info: ModelInfo) -> Prompt:
+        messages = []
+        for m in request.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name:
+                message["name"] = m.name
+            messages.append(message)
+        tokenizer = info.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise errors.bad_request("this model has no chat template; use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}))
+        except Exception as exc:  # template errors are the request's fault (e.g. role order)
+            raise errors.bad_request(f"the chat template rejected the messages: {exc}",
+                                     "messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return Prompt(ids, text)
+
+    # -- tokenizer endpoints -------------------------------------------------------------------
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest | dict
+                       ) -> TokenizeResponse:
+        if isinstance(request, dict):
+            request = _parse(TokenizeChatRequest if "messages" in request else TokenizeCompletionRequest,
+                             request)
+        info = await self._checked_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            ids = self._chat_prompt(request, info).token_ids
+        else:
+            ids = info.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        strs = info.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    async def detokenize(self, request: DetokenizeRequest | dict) -> DetokenizeResponse:
+        request = _parse(DetokenizeRequest, request)
+        info = await self._checked_model(request.model)
+        if any(t < 0 or t >= info.vocab_size for t in request.tokens):
+            raise errors.bad_request(f"token ids must be in [0, {info.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=info.tokenizer.decode(request.tokens))
+
+    # -- health --------------------------------------------------------------------------------
+    async def health(self) -> tuple[bool, str]:
+        """(healthy, reason): every engine replica running and none failing its health check."""
+        now = time.monotonic()
+        if now - self._last_engine_failure < self.settings.health_check_period_s + 1.0:
+            return False, "an engine replica failed recently"
+        checked_at, healthy, reason = self._health
+        if now - checked_at < HEALTH_CACHE_S:
+            return healthy, reason
+        try:
+            healthy, reason = await asyncio.to_thread(_replicas_healthy)
+        except Exception as exc:
+            healthy, reason = False, f"cannot read the application status: {exc}"
+        self._health = (time.monotonic(), healthy, reason)
+        return healthy, reason
+
+    # -- internals -----------------------------------------------------------------------------
+    def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
+                          logprobs: int | None, prompt_logprobs: int | None, info: ModelInfo,
+                          prompt_param: str) -> GenerateRequest:
+        num_prompt = len(prompt.token_ids)
+        limit = info.max_model_len
+        if num_prompt + (max_tokens or 1) > limit:
+            requested = num_prompt + (max_tokens or 0)
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{requested} tokens ({num_prompt} in the {prompt_param}, {max_tokens or 0} in the "
+                f"completion). Please reduce the length of the {prompt_param} or completion.",
+                400, param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - num_prompt
+        for token_id in [*(request.stop_token_ids or []), *map(int, request.logit_bias or {})]:
+            if not 0 <= token_id < info.vocab_size:
+                raise errors.bad_request(f"token id {token_id} is outside the vocabulary "
+                                         f"[0, {info.vocab_size})")
+        try:
+            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            raise errors.bad_request(message, message.split(" ", 1)[0]) from None
+        return GenerateRequest(request_id, prompt.token_ids, params, prompt.text,
+                               block_hashes(prompt.token_ids, info.block_size))
+
+    async def _start(self, requests: list[GenerateRequest]) -> list[ReplicaStream]:
+        """Send every prompt to a replica and wait for each first delta (errors surface here)."""
+        started = [ReplicaStream(self.replica_stream.generate.remote(r), self._map_error)
+                   for r in requests]
+        try:
+            await asyncio.gather(*(s.prime() for s in started))
+        except BaseException:
+            for s in started:
+                s.cancel()
+            raise
+        return started
+
+    def _map_error(self, exc: BaseException) -> BaseException:
+        """An exception from a replica call, as the OpenAIError a client should see."""
+        from ray.exceptions import RayActorError, RayTaskError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+        from replicas.async_engine import EngineDeadError
+
+        if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
+            return exc
+        cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+        if isinstance(cause, BackPressureError):
+            return errors.overloaded(self.settings.retry_after_s)
+        if isinstance(cause, EngineDeadError):
+            self._last_engine_failure = time.monotonic()
+            return errors.unavailable(f"the engine replica failed: {cause}", self.settings.retry_after_s)
+        if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
+            return errors.unavailable("no engine replica is available", self.settings.retry_after_s)
+        if isinstance(cause, ValueError):
+            return errors.bad_request(str(cause))
+        logger.error("unexpected error from an engine replica: %r", exc)
+        return errors.internal_error(cause)
+
+    def _record(self, formatter, info: ModelInfo, started: float, replica_streams) -> None:
+        first = min((s.first_delta_time for s in replica_streams if s.first_delta_time), default=None)
+        self.metrics.record_request(info.name, started, first, formatter.num_prompt_tokens,
+                                    formatter.num_cached_tokens, formatter.num_generated_tokens)
+
+    async def _observed(self, chunks: AsyncIterator, formatter, info: ModelInfo, started: float,
+                        replica_streams: list[ReplicaStream]) -> AsyncIterator:
+        finished = False
+        try:
+            async for chunk in chunks:
+                yield chunk
+            finished = True
+        finally:
+            if not finished:  # the client left or the stream failed: stop the engines' work
+                for s in replica_streams:
+                    s.cancel()
+            self._record(formatter, info, started, replica_streams)
+
+
+def _parse(model_cls, request):
+    if isinstance(request, model_cls):
+        return request
+    from pydantic import ValidationError
+    try:
+        return model_cls.model_validate(request)
+    except ValidationError as exc:
+        raise errors.from_validation_error(exc.errors()) from None
+
+
+def _replicas_healthy() -> tuple[bool, str]:
+    context = serve.get_replica_context()
+    app = serve.status().applications.get(context.app_name)
+    if app is None:
+        return False, f"application {context.app_name!r} not found"
+    deployment = app.deployments.get(REPLICA_DEPLOYMENT)
+    if deployment is None:
+        return False, f"deployment {REPLICA_DEPLOYMENT!r} not found"
+    states = {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
+    status = str(getattr(deployment.status, "value", deployment.status))
+    running = states.get("RUNNING", 0)
+    if status in ("UNHEALTHY", "DEPLOY_FAILED"):
+        return False, f"engine replicas are {status}: {deployment.message}"
+    if running == 0:
+        return False, "no engine replica is running"
+    if states.get("RECOVERING", 0):
+        return False, "an engine replica is recovering"
+    return True, f"{running} engine replica(s) running"

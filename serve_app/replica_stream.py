@@ -1,0 +1,86 @@
+"""One engine replica's delta stream as seen by the ingress, and the merge of several."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from replicas.deployment import GenerateDelta
+
+_END = object()
+
+
+class ReplicaStream:
+    """Wraps a `DeploymentResponseGenerator`: `prime()` waits for the first delta so errors
+    surface before a response starts; iteration maps replica errors with `map_error`."""
+
+    def __init__(self, generator, map_error: Callable[[BaseException], BaseException]):
+        self.generator = generator
+        self.map_error = map_error
+        self.first: GenerateDelta | None = None
+        self.first_delta_time: float | None = None
+        self.finished = False
+
+    async def prime(self) -> None:
+        try:
+            self.first = await self.generator.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+        except BaseException as exc:
+            raise self.map_error(exc) from None
+        self.first_delta_time = time.monotonic()
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.generator.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            yield first
+            if first.finished:
+                self.finished = True
+                return
+        while not self.finished:
+            try:
+                delta = await self.generator.__anext__()
+            except StopAsyncIteration:
+                self.finished = True
+                return
+            except BaseException as exc:
+                raise self.map_error(exc) from None
+            self.finished = delta.finished
+            yield delta
+
+
+async def merge_streams(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, GenerateDelta]]:
+    """(stream index, delta) as they arrive. One stream is iterated directly (the common case)."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: ReplicaStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+            queue.put_nowait((i, _END))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

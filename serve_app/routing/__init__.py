@@ -1,0 +1,2 @@
+"""Prefix-cache-affinity routing: `router.PrefixAffinityRouter` (the Ray Serve RequestRouter) over
+pure parts: `prefix_index`, `load`, `policy`, `router_state`. Importing this package pulls no Ray."""

@@ -1,0 +1,113 @@
+"""Everything the prefix-affinity router knows, without Ray: the prefix index, the loads, and the
+requests it has chosen for but not yet seen routed. The Ray `RequestRouter` subclass only feeds
+it replica digests and lifecycle callbacks, so the whole behaviour is testable with fake replicas.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from replicas.cache_digest import DIGEST_VERSION, QueueDepth
+from serve_app.routing.load import LoadTracker
+from serve_app.routing.policy import (AFFINITY, FALLBACK, LOAD_OVERRIDE, Decision, RoutingSettings,
+                                      choose_replica)
+from serve_app.routing.prefix_index import PrefixIndex
+
+MAX_UNROUTED = 4096  # chosen-for but never routed (cancelled) requests kept at most
+UNROUTED_TTL_S = 60.0
+
+
+@dataclass(slots=True)
+class _Choice:
+    replica_id: str
+    block_hashes: list[int]
+    decision: Decision
+    at: float
+
+
+class RouterState:
+    def __init__(self, settings: RoutingSettings | None = None, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.settings = settings or RoutingSettings()
+        self.index = PrefixIndex(self.settings.optimistic_ttl_s)
+        self.loads = LoadTracker()
+        self.hit_rates: dict[str, float] = {}
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._digest_time: dict[str, float] = {}
+        self._unrouted: dict[str, _Choice] = {}
+
+    # -- what replicas tell us ------------------------------------------------------------------
+    def observe(self, replica_id: str, digest: Mapping[str, Any] | None) -> bool:
+        """Apply a replica's digest (its routing stats) if it is newer than the last one applied."""
+        if not digest or digest.get("version") != DIGEST_VERSION:
+            return False
+        report_time = float(digest["time"])
+        if report_time <= self._digest_time.get(replica_id, float("-inf")):
+            return False
+        self._digest_time[replica_id] = report_time
+        self.index.update(replica_id, digest.get("block_hashes", ()), report_time)
+        self.loads.report(replica_id, QueueDepth.from_stats(digest).num_requests, report_time)
+        self.hit_rates[replica_id] = float(digest.get("prefix_cache_hit_rate", 0.0))
+        return True
+
+    def retain(self, live_replica_ids: Iterable[str]) -> None:
+        live = set(live_replica_ids)
+        if live == set(self._digest_time) and live >= self.index.replica_ids:
+            return
+        self.index.retain(live)
+        self.loads.retain(live)
+        for table in (self._digest_time, self.hit_rates):
+            for replica_id in [r for r in table if r not in live]:
+                del table[replica_id]
+
+    # -- what the router does -------------------------------------------------------------------
+    def choose(self, request_id: str | None, block_hashes: Sequence[int],
+               live_replica_ids: Iterable[str]) -> Decision:
+        """Rank the live replicas for a request, and count it against the first choice now, so a
+        burst routed before the next digest sees its own effect."""
+        live = list(live_replica_ids)
+        loads = {r: self.loads.load(r) for r in live}
+        matches = self.index.match(block_hashes, live)
+        decision = choose_replica(block_hashes, loads, matches, self.settings, self._rng)
+        if request_id is not None:
+            self._assign(request_id, decision.replica_id, list(block_hashes), decision)
+        return decision
+
+    def routed(self, request_id: str, replica_id: str) -> str:
+        """The request was accepted by replica_id; returns the reason to count it under."""
+        choice = self._unrouted.pop(request_id, None)
+        if choice is None:
+            return FALLBACK
+        if replica_id == choice.replica_id:
+            return choice.decision.reason
+        # The first choice was full and Ray took a lower rank: move our bookkeeping along.
+        self.index.remove(choice.replica_id, choice.block_hashes, choice.at)
+        self.index.insert(replica_id, choice.block_hashes, self._clock())
+        self.loads.sent(request_id, replica_id, self._clock())
+        return LOAD_OVERRIDE if choice.decision.reason == AFFINITY else FALLBACK
+
+    def completed(self, request_id: str) -> None:
+        self.loads.completed(request_id)
+        self._unrouted.pop(request_id, None)
+
+    def load(self, replica_id: str) -> float:
+        return self.loads.load(replica_id)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _assign(self, request_id: str, replica_id: str, block_hashes: list[int],
+                decision: Decision) -> None:
+        now = self._clock()
+        previous = self._unrouted.get(request_id)
+        if previous is not None and previous.replica_id != replica_id:
+            self.index.remove(previous.replica_id, previous.block_hashes, previous.at)
+        self.index.insert(replica_id, block_hashes, now)
+        self.loads.sent(request_id, replica_id, now)
+        self._unrouted[request_id] = _Choice(replica_id, block_hashes, decision, now)
+        if len(self._unrouted) > MAX_UNROUTED:
+            horizon = now - UNROUTED_TTL_S
+            for stale in [r for r, c in self._unrouted.items() if c.at < horizon]:
+                del self._unrouted[stale]

@@ -1,0 +1,102 @@
+"""Checkpoint directory -> model: shards, dtypes, architectures, and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from replicas.model_loader import (get_kv_cache_shape, iterate_weights, kv_cache_bytes_per_block,
+                                   load_model, weight_files)
+from replicas.models import LlamaForCausalLM
+
+
+def test_sharded_checkpoint_loads_identically(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("qwen2")
+    sharded = tmp_path / "sharded"
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf_model.save_pretrained(sharded, max_shard_size="40KB")
+    files = weight_files(sharded)
+    assert len(files) > 3 and not (sharded / "model.safetensors").exists()
+    whole, _, _ = load_model(path, attention_backend="reference")
+    split, _, _ = load_model(sharded, attention_backend="reference")
+    whole_state, split_state = whole.state_dict(), split.state_dict()
+    assert whole_state.keys() == split_state.keys()
+    for name, tensor in whole_state.items():
+        assert torch.equal(tensor, split_state[name]), name
+
+
+def test_iterate_weights_streams_every_tensor_once(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    names = [name for name, _ in iterate_weights(weight_files(path), progress=False)]
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert sorted(names) == sorted(f.keys())
+
+
+@pytest.mark.parametrize("name, dtype, expected", [
+    ("llama", "auto", torch.float32),
+    ("llama_bf16", "auto", torch.bfloat16),
+    ("llama_bf16", "float32", torch.float32),
+    ("llama", "float16", torch.float16),
+    ("llama", torch.bfloat16, torch.bfloat16),
+])
+def test_dtype(tiny_model_dir, name, dtype, expected):
+    model, hf_config, torch_dtype = load_model(tiny_model_dir(name), dtype=dtype,
+                                               attention_backend="reference")
+    assert torch_dtype == expected
+    assert {p.dtype for p in model.parameters()} == {expected}
+    assert isinstance(model, LlamaForCausalLM) and not model.training
+    assert hf_config.num_hidden_layers == model.num_layers == 2
+
+
+def test_auto_dtype_without_dtype_field_is_float32(tiny_model_dir, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama_bf16"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(config))
+    _, _, torch_dtype = load_model(path, attention_backend="reference")
+    assert torch_dtype == torch.float32
+
+
+def test_unsupported_dtype_is_rejected(tiny_model_dir):
+    with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
+        load_model(tiny_model_dir("llama"), dtype="float64")
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_model_dir, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['LlamaForSequenceClass"
+                                         r"ification'\]: supported are \['LlamaForCausalLM'"):
+        load_model(path)
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="is not a local model directory"):
+        load_model(tmp_path / "missing")
+    with pytest.raises(ValueError, match="is not a local model directory"):
+        load_model(tmp_path)  # exists, but has no config.json
+
+
+def test_missing_weights_file(tiny_model_dir, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        load_model(path)
+
+
+def test_kv_cache_helpers(tiny_model_dir):
+    path = tiny_model_dir("llama_head_dim")
+    model, hf_config, _ = load_model(path, attention_backend="reference")
+    assert get_kv_cache_shape(hf_config, 10, 16) == model.kv_cache_shape(10, 16) == (2, 10, 16, 2, 32)
+    # 2 layers * (K and V) * 16 slots * 2 heads * 32 dims * 2 bytes
+    assert kv_cache_bytes_per_block(hf_config, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2

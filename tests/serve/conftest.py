@@ -1,0 +1,118 @@
+"""One local Ray cluster per test session, the main app deployed once, tiny models built here.
+
+The main app ("pagedserve", 2 engine replicas, API keys on) serves most tests; tests that break
+replicas or need tiny queue limits deploy their own app next to it under another route prefix.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-test-0123456789"
+MODEL_NAME = "tiny-llama"
+# Sized for tests: a small KV pool (the default would allocate a GiB per replica).
+ENGINE_ARGS = dict(served_model_name=MODEL_NAME, max_model_len=512, num_kv_blocks=256,
+                   max_num_seqs=32, block_size=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from tests.tiny_models import build_tiny_model
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+
+
+@pytest.fixture(scope="session")
+def fault_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fault") / "trigger"
+
+
+@pytest.fixture(scope="session")
+def cluster(fault_file):
+    import ray
+    from ray import serve
+
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PAGEDSERVE_FAULT_FILE": str(fault_file)}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
+             _system_config={"metrics_report_interval_ms": 1000})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}",
+                          gcs_address=ray.get_runtime_context().gcs_address)
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(settings: dict, name: str, route_prefix: str):
+    from ray import serve
+
+    from serve_app import build_app
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+
+
+@pytest.fixture(scope="session")
+def app(cluster, tiny_model_dir):
+    """The main application: 2 replicas of the tiny model, keys required."""
+    deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5, api_keys=API_KEY,
+                health_check_period_s=1.0, **ENGINE_ARGS), "pagedserve", "/")
+    return SimpleNamespace(base_url=cluster.base_url, name="pagedserve", cluster=cluster)
+
+
+@pytest.fixture(scope="session")
+def http(app):
+    with httpx.Client(base_url=app.base_url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def client(app):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{app.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model_dir):
+    """The offline API on the same model and engine settings: the reference for greedy text."""
+    from replicas import LLM
+    return LLM(tiny_model_dir, num_threads=1, **ENGINE_ARGS)
+
+
+def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 20.0) -> dict[str, dict]:
+    """stats() of every replica of an app (handle calls land on random replicas: ask until all
+    have answered)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("EngineReplica", app_name)
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < num_replicas:
+        stats = handle.stats.remote().result()
+        seen[stats["replica_id"]] = stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"only {len(seen)} of {num_replicas} replicas answered")
+    return seen

@@ -1,0 +1,135 @@
+"""`serve run serve_app:app ...` as a user runs it: start-up, first 200, SIGTERM; bad arguments fail
+fast; serve_config.yaml is a valid Serve config whose args build the app."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.serve.conftest import REPO
+
+SERVE = str(Path(sys.executable).with_name("serve"))
+PORT = 8000  # `serve run <import path>` always listens on Ray Serve's default port
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def serve_run(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    # `--address local`: a fresh cluster of its own, never the test session's.
+    return subprocess.Popen([SERVE, "run", "--address", "local", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve run exited early:\n{proc.stdout.read()[-4000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"no 200 from {url} within {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def smoke(base: str, model: str | None = None) -> str:
+    """List models, one chat completion, one completion."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = model or client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0)
+    completion = client.completions.create(model=model, prompt="The capital of France is",
+                                           max_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage.completion_tokens >= 1
+    return chat.choices[0].message.content
+
+
+@pytest.mark.skipif(not port_free(PORT), reason=f"port {PORT} is in use")
+def test_serve_run_import_path_with_overrides(tiny_model_dir):
+    proc = serve_run(["serve_app:app", f"model={tiny_model_dir}", "served_model_name=tiny-cli",
+                      "num_kv_blocks=128", "max_num_seqs=8", "num_replicas=1"])
+    try:
+        startup_s = wait_ready(proc, f"http://127.0.0.1:{PORT}/v1/models", 180)
+        print(f"serve run: first 200 after {startup_s:.1f}s")
+        smoke(f"http://127.0.0.1:{PORT}", "tiny-cli")
+    finally:
+        code = stop(proc)
+    assert code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert wait_for_port_closed(PORT, 30)
+
+
+def wait_for_port_closed(port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_free(port):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_serve_run_rejects_a_bad_argument_fast():
+    start = time.monotonic()
+    result = subprocess.run([SERVE, "run", "serve_app:app", "max_num_seqs=zero", "colour=blue"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "colour" in output and "unknown setting" in output
+    assert time.monotonic() - start < 60
+
+
+def test_serve_config_yaml_is_valid_and_builds():
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+    from ray._common.utils import import_attr
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve_config.yaml").read_text()))
+    (application,) = config.applications
+    assert application.name == "pagedserve" and application.route_prefix == "/"
+    built = call_user_app_builder_with_args_if_necessary(import_attr(application.import_path),
+                                                         application.args)
+    from ray.serve import Application
+    assert isinstance(built, Application)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not port_free(PORT), reason=f"port {PORT} is in use")
+def test_readme_serve_command_answers_the_smoke_script():
+    """The README's command on the embedded default model (loads SmolLM2-135M)."""
+    proc = serve_run(["serve_app:app"])
+    try:
+        startup_s = wait_ready(proc, f"http://127.0.0.1:{PORT}/v1/models", 600)
+        print(f"serve run (default model): first 200 after {startup_s:.1f}s")
+        answer = smoke(f"http://127.0.0.1:{PORT}")
+    finally:
+        stop(proc)
+    assert "Paris" in answer

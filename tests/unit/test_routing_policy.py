@@ -1,0 +1,121 @@
+import random
+from collections import Counter
+
+import pytest
+
+from replicas.block_hash import block_hashes
+from serve_app.routing.policy import (AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings,
+                                      choose_replica, rendezvous_home, rendezvous_weight)
+
+BS = 4
+IDS = ["r1", "r2", "r3"]
+A = block_hashes(list(range(16)), BS)  # a 4-block prompt
+SETTINGS = RoutingSettings(load_override_threshold=4, cold_home_max_excess_load=2)
+
+
+def choose(hashes, loads, matches, settings=SETTINGS, seed=0):
+    return choose_replica(hashes, loads, matches, settings, random.Random(seed))
+
+
+def idle(ids=IDS):
+    return {r: 0.0 for r in ids}
+
+
+def test_longest_cached_prefix_wins():
+    d = choose(A, idle(), {"r1": 1, "r2": 3, "r3": 0})
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r2", AFFINITY, 3)
+    assert d.ranked == ["r2", "r1", "r3"]
+
+
+def test_affinity_holds_up_to_the_load_threshold_then_load_wins():
+    matches = {"r1": 4, "r2": 0, "r3": 2}
+    d = choose(A, {"r1": 6, "r2": 2, "r3": 5}, matches)  # 6 - 2 <= 4: still affinity
+    assert (d.replica_id, d.reason) == ("r1", AFFINITY)
+    d = choose(A, {"r1": 7, "r2": 2, "r3": 5}, matches)  # 7 - 2 > 4
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r3", LOAD_OVERRIDE, 2)
+    d = choose(A, {"r1": 7, "r2": 2, "r3": 7}, matches)  # only r2 is within the threshold
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r2", LOAD_OVERRIDE, 0)
+
+
+def test_equal_holders_go_to_the_lower_load_then_to_the_rendezvous_winner():
+    matches = {"r1": 4, "r2": 4, "r3": 0}
+    assert choose(A, {"r1": 3, "r2": 1, "r3": 0}, matches).replica_id == "r2"
+    winner = max(["r1", "r2"], key=lambda r: rendezvous_weight(A[0], r))
+    d = choose(A, idle(), matches)
+    assert (d.replica_id, d.reason) == (winner, AFFINITY)
+
+
+def test_cold_prefix_goes_to_its_consistent_home():
+    home = rendezvous_home(A[0], IDS)
+    d = choose(A, idle(), {})
+    assert (d.replica_id, d.reason) == (home, COLD_HOME)
+    # the same cold prefix from any router, in any order of replicas, agrees
+    assert choose(A, {r: 0.0 for r in reversed(IDS)}, {}).replica_id == home
+    # and a different continuation of the same first block shares the home
+    other = block_hashes(list(range(4)) + [99] * 12, BS)
+    assert choose(other, idle(), {}).replica_id == home
+
+
+def test_cold_prefixes_spread_over_replicas_at_low_load():
+    homes = Counter(choose(block_hashes([i] * 8, BS), idle(), {}).replica_id for i in range(60))
+    assert set(homes) == set(IDS)
+    assert min(homes.values()) >= 10
+
+
+def test_an_overloaded_cold_home_is_skipped_for_two_choices():
+    home = rendezvous_home(A[0], ["r1", "r2"])
+    other = "r2" if home == "r1" else "r1"
+    d = choose(A, {home: 2.0, other: 0.0}, {})  # 2 - 0 <= 2: still home
+    assert (d.replica_id, d.reason) == (home, COLD_HOME)
+    d = choose(A, {home: 3.0, other: 0.0}, {})
+    assert (d.replica_id, d.reason) == (other, FALLBACK)  # two replicas: p2c sees both
+
+
+def test_a_prefix_every_replica_holds_says_nothing_the_rest_is_cold():
+    matches = {r: 2 for r in IDS}  # say, a shared chat-template header
+    d = choose(A, idle(), matches)
+    assert (d.replica_id, d.reason) == (rendezvous_home(A[2], IDS), COLD_HOME)
+    assert d.num_matched_blocks == 2
+
+
+def test_min_affinity_blocks():
+    settings = RoutingSettings(min_affinity_blocks=2)
+    d = choose(A, idle(), {"r1": 1}, settings)
+    assert d.reason == COLD_HOME and d.replica_id == rendezvous_home(A[0], IDS)
+    d = choose(A, idle(), {"r1": 2}, settings)
+    assert (d.replica_id, d.reason) == ("r1", AFFINITY)
+
+
+def test_cold_home_blocks_names_the_home_further_in():
+    settings = RoutingSettings(cold_home_blocks=3)
+    assert choose(A, idle(), {}, settings).replica_id == rendezvous_home(A[2], IDS)
+    short = A[:2]  # fewer blocks than cold_home_blocks: the last one names the home
+    assert choose(short, idle(), {}, settings).replica_id == rendezvous_home(A[1], IDS)
+
+
+def test_no_full_block_falls_back_to_two_choices_on_load():
+    loads = {"r1": 5.0, "r2": 1.0, "r3": 3.0}
+    picks = {choose([], loads, {}, seed=s).replica_id for s in range(20)}
+    assert "r1" not in picks  # the most loaded never wins a pair
+    assert picks == {"r2", "r3"}
+    assert choose([], loads, {}).reason == FALLBACK
+
+
+def test_single_replica_and_validation():
+    d = choose(A, {"r1": 9.0}, {})
+    assert d.ranked == ["r1"]
+    with pytest.raises(ValueError):
+        choose(A, {}, {})
+    with pytest.raises(ValueError):
+        RoutingSettings(load_override_threshold=-1)
+    with pytest.raises(ValueError):
+        RoutingSettings(unknown=1)
+
+
+def test_rendezvous_weight_is_stable_across_processes():
+    import subprocess
+    import sys
+    code = "from serve_app.routing.policy import rendezvous_weight as w; print(w(-12345, 'abc'))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={"PYTHONHASHSEED": "7", "PATH": ""}).stdout
+    assert int(out) == rendezvous_weight(-12345, "abc")

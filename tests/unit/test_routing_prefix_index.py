@@ -1,0 +1,82 @@
+from replicas.block_hash import block_hashes
+from serve_app.routing.load import LoadTracker
+from serve_app.routing.prefix_index import PrefixIndex
+
+BS = 4
+A = block_hashes(list(range(16)), BS)  # 4 blocks
+B = block_hashes(list(range(100, 116)), BS)
+
+
+def test_match_counts_leading_blocks_per_replica():
+    index = PrefixIndex()
+    index.update("r1", A[:3], report_time=1.0)
+    index.update("r2", A[:1] + B, report_time=1.0)
+    assert index.match(A, ["r1", "r2", "r3"]) == {"r1": 3, "r2": 1, "r3": 0}
+    assert index.match(B, ["r1", "r2"]) == {"r1": 0, "r2": 4}
+    assert index.holders(A[0]) == {"r1", "r2"}
+
+
+def test_a_hole_in_the_chain_ends_the_match():
+    index = PrefixIndex()
+    index.update("r1", [A[0], A[2], A[3]], report_time=1.0)  # A[1] evicted
+    assert index.match(A, ["r1"]) == {"r1": 1}
+
+
+def test_digest_replaces_what_we_knew():
+    index = PrefixIndex()
+    index.update("r1", A, report_time=1.0)
+    index.update("r1", B, report_time=2.0)
+    assert index.match(A, ["r1"]) == {"r1": 0}
+    assert index.match(B, ["r1"]) == {"r1": 4}
+
+
+def test_optimistic_insert_survives_digests_until_its_ttl():
+    index = PrefixIndex(optimistic_ttl_s=5.0)
+    index.insert("r1", A, now=10.0)
+    assert index.match(A, ["r1"]) == {"r1": 4}
+    index.update("r1", [], report_time=14.0)  # too soon to show a request sent at 10.0
+    assert index.match(A, ["r1"]) == {"r1": 4}
+    index.update("r1", A[:2], report_time=15.0)  # by now it shows what really stayed
+    assert index.match(A, ["r1"]) == {"r1": 2}
+
+
+def test_remove_takes_back_only_that_insert():
+    index = PrefixIndex()
+    index.insert("r1", A, now=1.0)
+    index.insert("r1", A[:2], now=2.0)  # another request shares the first two blocks
+    index.remove("r1", A, inserted_at=1.0)
+    assert index.match(A, ["r1"]) == {"r1": 2}
+
+
+def test_retain_forgets_dead_replicas():
+    index = PrefixIndex()
+    index.update("r1", A, report_time=1.0)
+    index.insert("r2", B, now=1.0)
+    index.retain(["r1"])
+    assert index.replica_ids == {"r1"}
+    assert index.holders(B[0]) == set()
+
+
+def test_load_is_report_plus_unfinished_sends_since():
+    loads = LoadTracker()
+    loads.report("r1", 3, report_time=10.0)
+    assert loads.load("r1") == 3
+    loads.sent("q1", "r1", now=10.5)
+    loads.sent("q2", "r1", now=10.6)
+    assert loads.load("r1") == 5
+    loads.completed("q1")
+    assert loads.load("r1") == 4
+    loads.report("r1", 1, report_time=11.0)  # q2 is in this count now (or done)
+    assert loads.load("r1") == 1
+    assert loads.num_sent_since_report("r1") == 0
+
+
+def test_load_follows_a_reroute_and_forgets_dead_replicas():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=1.0)
+    assert loads.sent("q1", "r2", now=1.1) == "r1"
+    assert (loads.load("r1"), loads.load("r2")) == (0, 1)
+    assert loads.sent("q1", "r2", now=1.2) is None
+    loads.retain(["r1"])
+    assert loads.load("r2") == 0
+    loads.completed("q1")  # unknown by now: no error

@@ -1,0 +1,134 @@
+"""The router's behaviour end to end over fake replicas: digests in, exact choices out."""
+import random
+from collections import Counter
+
+from replicas.block_hash import block_hashes
+from replicas.cache_digest import DIGEST_VERSION
+from serve_app.routing.policy import (AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings,
+                                      rendezvous_home)
+from serve_app.routing.router_state import RouterState
+
+BS = 4
+SYSTEM = list(range(1000, 1032))  # an 8-block "system prompt"
+
+
+def prompt(user_turn: int) -> list[int]:
+    return SYSTEM + [user_turn] * 6
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def digest(t, hashes=(), waiting=0, running=0, hit_rate=0.0):
+    return {"version": DIGEST_VERSION, "time": t, "block_size": BS, "block_hashes": list(hashes),
+            "num_waiting": waiting, "num_running": running, "kv_cache_usage": 0.0,
+            "prefix_cache_hit_rate": hit_rate}
+
+
+def state(**settings):
+    clock = Clock()
+    return RouterState(RoutingSettings(**settings), rng=random.Random(0), clock=clock), clock
+
+
+def test_repeated_cold_prefix_converges_then_spills_when_its_replica_fills():
+    s, clock = state(load_override_threshold=4)
+    live = ["r1", "r2"]
+    hashes = [block_hashes(prompt(i), BS) for i in range(8)]
+    home = rendezvous_home(hashes[0][0], live)
+    other = "r2" if home == "r1" else "r1"
+    decisions = []
+    for i in range(8):  # a burst, all before the next digest
+        d = s.choose(f"q{i}", hashes[i], live)
+        decisions.append((d.replica_id, d.reason))
+        clock.now += 0.01
+    assert decisions[0] == (home, COLD_HOME)
+    assert decisions[1:5] == [(home, AFFINITY)] * 4  # load 1..4 vs 0: within the threshold
+    assert decisions[5] == (other, LOAD_OVERRIDE)  # 5 - 0 > 4: the hot prefix spills
+    # both hold it now: equal holders go by load
+    assert [r for r, _ in decisions[6:]] == [other, other]
+    assert Counter(r for r, _ in decisions) == {home: 5, other: 3}
+
+
+def test_distinct_cold_prefixes_spread_and_misses_avoid_the_loaded_replica():
+    s, clock = state(cold_home_max_excess_load=2)
+    live = ["r1", "r2", "r3"]
+    picks = Counter()
+    for i in range(30):
+        d = s.choose(f"q{i}", block_hashes([i] * 8, BS), live)
+        picks[d.replica_id] += 1
+        assert d.reason in (COLD_HOME, FALLBACK)
+        loads = [s.load(r) for r in live]
+        assert max(loads) - min(loads) <= 3  # a burst of misses never drowns one replica
+    assert set(picks) == set(live)
+
+
+def test_load_counts_sends_since_the_digest_and_forgets_finished_ones():
+    s, clock = state()
+    live = ["r1", "r2"]
+    assert s.observe("r1", digest(100.0, waiting=2, running=1))
+    assert not s.observe("r1", digest(100.0, waiting=9))  # not newer: ignored
+    assert not s.observe("r2", {})  # no digest yet
+    assert not s.observe("r2", {**digest(100.0), "version": DIGEST_VERSION + 1})
+    clock.now = 100.5
+    d = s.choose("q1", [], live)  # no full block: p2c on load -> r2
+    assert (d.replica_id, d.reason) == ("r2", FALLBACK)
+    assert (s.load("r1"), s.load("r2")) == (3, 1)
+    s.completed("q1")
+    assert s.load("r2") == 0
+
+
+def test_digest_drives_affinity_and_is_replaced_by_the_next():
+    s, clock = state()
+    live = ["r1", "r2"]
+    hashes = block_hashes(prompt(0), BS)
+    s.observe("r2", digest(99.0, hashes[:8], hit_rate=0.75))
+    s.observe("r1", digest(99.0))
+    d = s.choose("q1", hashes, live)
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r2", AFFINITY, 8)
+    assert s.hit_rates == {"r1": 0.0, "r2": 0.75}
+    # r2 evicted it and says so in a digest taken long after our optimistic insert
+    s.observe("r2", digest(clock.now + s.settings.optimistic_ttl_s))
+    s.observe("r1", digest(clock.now + s.settings.optimistic_ttl_s, hashes[:2]))
+    d = s.choose("q2", hashes, live)
+    assert (d.replica_id, d.num_matched_blocks) == ("r1", 2)
+
+
+def test_routed_elsewhere_moves_the_bookkeeping():
+    s, clock = state()
+    live = ["r1", "r2"]
+    hashes = block_hashes(prompt(0), BS)
+    s.observe("r1", digest(99.0, hashes))
+    d = s.choose("q1", hashes, live)
+    assert d.ranked == ["r1", "r2"]
+    clock.now += 0.1
+    assert s.routed("q1", "r2") == LOAD_OVERRIDE  # r1 was full; Ray took the next rank
+    assert (s.load("r1"), s.load("r2")) == (0, 1)
+    assert s.index.match(hashes, ["r2"]) == {"r2": len(hashes)}
+    assert s.routed("q1", "r2") == FALLBACK  # unknown by now
+    d2 = s.choose("q2", hashes, live)
+    assert s.routed("q2", d2.replica_id) == d2.reason
+
+
+def test_a_rechoice_of_the_same_request_is_not_counted_twice():
+    s, clock = state()
+    live = ["r1", "r2"]
+    s.choose("q1", [], live)
+    s.choose("q1", [], live)
+    assert s.load("r1") + s.load("r2") == 1
+
+
+def test_dead_replicas_are_forgotten():
+    s, clock = state()
+    hashes = block_hashes(prompt(0), BS)
+    s.observe("r1", digest(99.0, hashes))
+    s.choose("q1", hashes, ["r1", "r2"])
+    s.retain(["r2"])
+    d = s.choose("q2", hashes, ["r2"])
+    assert d.ranked == ["r2"]
+    assert s.hit_rates == {}
+    assert s.index.replica_ids == {"r2"}
