@@ -10,6 +10,7 @@ Results go to bench/results/kernels_cpu.json or kernels_cuda.json.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -93,6 +94,10 @@ def ragged_decode(batch: int, low: int, high: int, seed=0) -> list[tuple[int, in
     return [(1, rng.randint(low, high)) for _ in range(batch)]
 
 
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -140,9 +145,14 @@ def run_cpu(args) -> None:
             rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
             print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>8} {t_ref / t_fast:7.2f}")
+    print()
+    for dtype_name in args.dtype:
+        for kind in ("attention", "store_kv"):
+            ratios = [r["speedup_vs_reference"] for r in rows if r["dtype"] == dtype_name and r["kind"] == kind]
+            print(f"{dtype_name} {kind}: torch is {geomean(ratios):.2f}x the reference's speed (geomean)")
     losses = [r for r in rows if r["speedup_vs_reference"] < 1.0]
     winner = "torch" if not losses else "mixed"
-    print(f"\nauto on CPU -> {auto.name!r}; torch beats reference in {len(rows) - len(losses)}/{len(rows)} cases")
+    print(f"auto on CPU -> {auto.name!r}; torch beats reference in {len(rows) - len(losses)}/{len(rows)} cases")
     for r in losses:
         print(f"  reference faster: {r['case']} ({r['dtype']}) x{r['speedup_vs_reference']:.2f}")
     path = write_result("kernels_cpu", dict(threads=args.threads, auto_backend=auto.name, winner=winner,

@@ -1,7 +1,8 @@
 """Fast CPU paged attention: the reference's semantics, batched and without host syncs.
 
-Decode sequences (query_len 1) are sorted by context length and cut into groups whose gathered
-K/V stay cache-sized; each group is one block gather plus one scaled_dot_product_attention call
+Decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
+for one group is sorted by context length first, so groups pad little); each group is one block
+gather plus one scaled_dot_product_attention call
 with the query heads of a KV head laid out as that head's "query positions" (GQA without copying
 K/V per query head). Prefill chunks go one sequence at a time through SDPA with enable_gqa, causal
 with the offset seq_len - query_len.
@@ -40,7 +41,7 @@ def decode_dtype(dtype: torch.dtype) -> torch.dtype:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype."""
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
     starts = [0]
     for q_len in metadata.query_lens_cpu:
         starts.append(starts[-1] + q_len)
@@ -60,42 +61,65 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torc
     return blocks.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
+def _decode_groups(decodes: list[int], seq_lens: list[int], token_bytes: int) -> list[list[int]]:
+    """Decode sequences in groups whose K/V, padded to the group's longest, fit DECODE_GROUP_BYTES.
+
+    A batch that fits whole stays one group in batch order; otherwise sequences are sorted by
+    length first, so each group pads little.
+    """
+    if len(decodes) * max(seq_lens[b] for b in decodes) * token_bytes <= DECODE_GROUP_BYTES:
+        return [decodes]
+    order = sorted(decodes, key=lambda b: seq_lens[b])
+    groups, first = [], 0
+    while first < len(order):
+        last = first + 1
+        while last < len(order) and (last - first + 1) * seq_lens[order[last]] * token_bytes <= DECODE_GROUP_BYTES:
+            last += 1
+        groups.append(order[first:last])
+        first = last
+    return groups
+
+
 def _decode(query, kv_cache, metadata, scale, out, starts, decodes) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     dtype = decode_dtype(kv_cache.dtype)
-    token_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    device = query.device
     seq_lens = metadata.seq_lens_cpu
-    order = sorted(decodes, key=lambda b: seq_lens[b])
-    first = 0
-    while first < len(order):
-        # Grow the group while its padded K/V (every member padded to the longest, the last) fits.
-        last = first + 1
-        while (last < len(order)
-               and (last - first + 1) * seq_lens[order[last]] * token_bytes <= DECODE_GROUP_BYTES):
-            last += 1
-        members = order[first:last]
-        max_len = seq_lens[members[-1]]
+    token_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    for members in _decode_groups(decodes, seq_lens, token_bytes):
+        count = len(members)
+        lens = [seq_lens[b] for b in members]
+        max_len = max(lens)
         num_blocks = (max_len + block_size - 1) // block_size
-        index = torch.tensor(members, device=query.device)
-        rows = torch.tensor([starts[b] for b in members], device=query.device)
-        block_ids = metadata.block_tables.index_select(0, index)[:, :num_blocks].flatten().long()
-        k = _gather(kv_cache[0], block_ids, len(members)).to(dtype)
-        v = _gather(kv_cache[1], block_ids, len(members)).to(dtype)
-        # [g, num_kv_heads, group, head_dim]: the group's query heads act as query positions.
-        q = query.index_select(0, rows).to(dtype).view(len(members), num_kv_heads, group, head_dim)
+        if count == metadata.num_seqs:  # the whole batch, all decodes, in order: no index tensors
+            rows = None
+            tables = metadata.block_tables[:, :num_blocks]
+            q = query
+        else:
+            rows = torch.tensor([starts[b] for b in members], device=device)
+            tables = metadata.block_tables.index_select(0, torch.tensor(members, device=device))[:, :num_blocks]
+            q = query.index_select(0, rows)
+        block_ids = tables.flatten().long()
+        k = _gather(kv_cache[0], block_ids, count).to(dtype)
+        v = _gather(kv_cache[1], block_ids, count).to(dtype)
+        # [count, num_kv_heads, group, head_dim]: a KV head's query heads act as its query positions.
+        q = q.to(dtype).reshape(count, num_kv_heads, group, head_dim)
         mask = None
-        if seq_lens[members[0]] != max_len:
-            lens = torch.tensor([seq_lens[b] for b in members], device=query.device)
-            positions = torch.arange(num_blocks * block_size, device=query.device)
-            mask = torch.zeros(len(members), 1, 1, positions.numel(), dtype=dtype, device=query.device)
-            mask.masked_fill_((positions[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        elif num_blocks * block_size != max_len:
+        if min(lens) != max_len:  # ragged: mask each sequence's padding
+            positions = torch.arange(num_blocks * block_size, device=device)
+            padding = positions[None, :] >= torch.tensor(lens, device=device)[:, None]
+            mask = torch.zeros(count, 1, 1, positions.numel(), dtype=dtype, device=device)
+            mask.masked_fill_(padding[:, None, None, :], float("-inf"))
+        elif num_blocks * block_size != max_len:  # equal lengths: trim the last block's tail
             k, v = k[:, :, :max_len], v[:, :, :max_len]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out.index_copy_(0, rows, o.reshape(len(members), num_heads, head_dim).to(out.dtype))
-        first = last
+        o = o.reshape(count, num_heads, head_dim).to(out.dtype)
+        if rows is None:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, rows, o)
 
 
 def _prefill(query, kv_cache, metadata, scale, out, start, q_len, b) -> None:

@@ -5,6 +5,7 @@ On first use it is converted once (transformers dequantizes the GGUF) into an or
 safetensors checkpoint with its tokenizer, under $PAGEDSERVE_CACHE or ~/.cache/pagedserve, and
 from then on it loads like any other local checkpoint. Conversion writes into a temporary folder
 renamed into place when complete, under a file lock, so processes starting together convert once.
+Importing this module is cheap (no torch, no transformers) so the ingress can resolve paths too.
 """
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-
-from replicas.model_loader import check_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +34,15 @@ def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> str
     if model is not None:
         return str(check_model_dir(model).resolve())
     return str(ensure_default_model(cache_dir))
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """The directory as a Path; ValueError unless it holds a config.json."""
+    path = Path(model_dir).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"{str(model_dir)!r} is not a local model directory: expected a folder "
+                         "with config.json and safetensors weights (models are not downloaded)")
+    return path
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

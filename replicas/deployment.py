@@ -107,6 +107,19 @@ class DeltaTracker:
         return delta
 
 
+class EngineReplicaDead(RuntimeError):
+    """Raised by a replica whose engine loop has died; names the replica so the ingress can
+    report it unhealthy until Ray Serve has replaced it."""
+
+    def __init__(self, replica_id: str, message: str):
+        super().__init__(f"engine replica {replica_id} is dead: {message}")
+        self.replica_id = replica_id
+        self.reason = message
+
+    def __reduce__(self):
+        return (EngineReplicaDead, (self.replica_id, self.reason))
+
+
 def import_attr(path: str) -> Any:
     """"package.module:Name" (or "package.module.Name") -> the object."""
     module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
@@ -153,6 +166,10 @@ class EngineReplica:
                 delta = tracker.delta(out)
                 if delta.choices or delta.finished:
                     yield delta
+        except Exception as exc:
+            if not self.engine.is_healthy():
+                raise EngineReplicaDead(self.replica_id, str(exc)) from None
+            raise
         finally:
             await stream.aclose()  # a no-op after the end; otherwise aborts in the engine
 

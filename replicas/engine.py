@@ -34,9 +34,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.token_decoder = TokenDecoder(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
-        hf = self.runner.hf_config
-        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings,
-                                 hf.max_position_embeddings)
+        # Past the rotary table (or a sliding window we do not implement) outputs would be wrong.
+        limit = self.runner.model.max_context_len
+        self.max_model_len = min(config.max_model_len or limit, limit)
         self.model_name = config.served_model_name or config.model or Path(self.model_dir).name
         self.block_size = config.block_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

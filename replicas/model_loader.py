@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from replicas.default_model import check_model_dir
 from replicas.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -21,15 +22,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def check_model_dir(model_dir: str | Path) -> Path:
-    """The directory as a Path; ValueError unless it holds a config.json."""
-    path = Path(model_dir).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(f"{str(model_dir)!r} is not a local model directory: expected a folder "
-                         "with config.json and safetensors weights (models are not downloaded)")
-    return path
 
 
 def load_config(model_dir: str | Path):

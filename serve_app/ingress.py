@@ -13,6 +13,7 @@ output arrived, so a bad request or a full queue raises `OpenAIError` instead of
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from typing import Any
 from ray import serve
 
 from replicas.block_hash import block_hashes
-from replicas.deployment import GenerateDelta, GenerateRequest
+from replicas.deployment import EngineReplicaDead, GenerateRequest
 from serve_app import errors
 from serve_app.config import ServeSettings
 from serve_app.errors import OpenAIError
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "EngineReplica"
 HEALTH_CACHE_S = 0.5
+DEAD_REPLICA_MEMORY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Ingress:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self._health: tuple[float, bool, str] = (0.0, False, "")
-        self._last_engine_failure = float("-inf")
+        self._dead_replicas: dict[str, float] = {}  # replica id -> when its engine was seen dead
         self.metrics = IngressMetrics()
 
     def model_name(self) -> str:
@@ -214,8 +216,15 @@ class Ingress:
     async def health(self) -> tuple[bool, str]:
         """(healthy, reason): every engine replica running and none failing its health check."""
         now = time.monotonic()
-        if now - self._last_engine_failure < self.settings.health_check_period_s + 1.0:
-            return False, "an engine replica failed recently"
+        if self._dead_replicas:
+            # Ray Serve needs a few failed health checks to replace a dead replica; until the
+            # replica is gone, say so.
+            names = await asyncio.to_thread(_replica_actor_names)
+            for replica_id, seen in list(self._dead_replicas.items()):
+                if now - seen > DEAD_REPLICA_MEMORY_S or not any(n.endswith(f"#{replica_id}") for n in names):
+                    del self._dead_replicas[replica_id]
+            if self._dead_replicas:
+                return False, f"engine replica(s) {', '.join(self._dead_replicas)} died"
         checked_at, healthy, reason = self._health
         if now - checked_at < HEALTH_CACHE_S:
             return healthy, reason
@@ -255,8 +264,8 @@ class Ingress:
 
     async def _start(self, requests: list[GenerateRequest]) -> list[ReplicaStream]:
         """Send every prompt to a replica and wait for each first delta (errors surface here)."""
-        started = [ReplicaStream(self.replica_stream.generate.remote(r), self._map_error)
-                   for r in requests]
+        send = self.replica_stream.generate.remote
+        started = [ReplicaStream(functools.partial(send, r), self._map_error) for r in requests]
         try:
             await asyncio.gather(*(s.prime() for s in started))
         except BaseException:
@@ -272,14 +281,16 @@ class Ingress:
 
         from replicas.async_engine import EngineDeadError
 
+        logger.warning("DEBUG map_error %r %s", exc, type(exc).__mro__)
         if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
             return exc
         cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
         if isinstance(cause, BackPressureError):
             return errors.overloaded(self.settings.retry_after_s)
-        if isinstance(cause, EngineDeadError):
-            self._last_engine_failure = time.monotonic()
-            return errors.unavailable(f"the engine replica failed: {cause}", self.settings.retry_after_s)
+        if isinstance(cause, (EngineReplicaDead, EngineDeadError)):
+            if isinstance(cause, EngineReplicaDead):
+                self._dead_replicas[cause.replica_id] = time.monotonic()
+            return errors.unavailable(f"the engine failed: {cause}", self.settings.retry_after_s)
         if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
             return errors.unavailable("no engine replica is available", self.settings.retry_after_s)
         if isinstance(cause, ValueError):
@@ -314,6 +325,13 @@ def _parse(model_cls, request):
         return model_cls.model_validate(request)
     except ValidationError as exc:
         raise errors.from_validation_error(exc.errors()) from None
+
+
+def _replica_actor_names() -> list[str]:
+    import ray
+    context = serve.get_replica_context()
+    prefix = f"{context.app_name}#{REPLICA_DEPLOYMENT}#"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if prefix in a["name"]]
 
 
 def _replicas_healthy() -> tuple[bool, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from replicas.deployment import GenerateDelta
 
@@ -11,11 +12,13 @@ _END = object()
 
 
 class ReplicaStream:
-    """Wraps a `DeploymentResponseGenerator`: `prime()` waits for the first delta so errors
-    surface before a response starts; iteration maps replica errors with `map_error`."""
+    """One streaming replica call: `prime()` sends it and waits for the first delta, so errors
+    (a full queue, a bad request) surface before a response starts; iteration maps replica errors
+    with `map_error`."""
 
-    def __init__(self, generator, map_error: Callable[[BaseException], BaseException]):
-        self.generator = generator
+    def __init__(self, send: Callable[[], Any], map_error: Callable[[BaseException], BaseException]):
+        self.send = send  # returns a DeploymentResponseGenerator
+        self.generator = None
         self.map_error = map_error
         self.first: GenerateDelta | None = None
         self.first_delta_time: float | None = None
@@ -23,6 +26,7 @@ class ReplicaStream:
 
     async def prime(self) -> None:
         try:
+            self.generator = self.send()
             self.first = await self.generator.__anext__()
         except StopAsyncIteration:
             self.finished = True
@@ -33,7 +37,8 @@ class ReplicaStream:
     def cancel(self) -> None:
         if not self.finished:
             self.finished = True
-            self.generator.cancel()
+            if self.generator is not None:
+                self.generator.cancel()
 
     async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
         if self.first is not None:

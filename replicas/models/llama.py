@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         """Shape of one layer's cache tensor."""
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    # HF name -> (our parameter name, index of the shard in a fused parameter or None)
+    # HF projection -> (our fused projection, index of its rows in it)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

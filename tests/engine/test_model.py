@@ -9,6 +9,7 @@ import transformers
 
 from kernels.metadata import AttentionMetadata
 from replicas.model_loader import load_model
+from replicas.models import LlamaForCausalLM
 from replicas.models.rotary import inverse_frequencies, rope_parameters
 
 BLOCK_SIZE = 4
@@ -144,3 +145,16 @@ def test_load_weights_rejects_bad_checkpoints(tiny_model_dir):
     bad = dict(weights, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\)"):
         model.load_weights(bad.items())
+
+
+@pytest.mark.parametrize("config_class, fields, expected", [
+    (transformers.MistralConfig, dict(sliding_window=64), 64),
+    (transformers.MistralConfig, dict(sliding_window=None), 256),
+    (transformers.Qwen2Config, dict(sliding_window=64), 256),  # use_sliding_window is False
+    (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), 64),
+])
+def test_max_context_len_stops_at_a_sliding_window(config_class, fields, expected):
+    config = config_class(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
+                          max_position_embeddings=256, **fields)
+    assert LlamaForCausalLM(config, attention_backend="reference").max_context_len == expected

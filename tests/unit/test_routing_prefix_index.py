@@ -1,5 +1,4 @@
 from replicas.block_hash import block_hashes
-from serve_app.routing.load import LoadTracker
 from serve_app.routing.prefix_index import PrefixIndex
 
 BS = 4
@@ -56,27 +55,3 @@ def test_retain_forgets_dead_replicas():
     assert index.replica_ids == {"r1"}
     assert index.holders(B[0]) == set()
 
-
-def test_load_is_report_plus_unfinished_sends_since():
-    loads = LoadTracker()
-    loads.report("r1", 3, report_time=10.0)
-    assert loads.load("r1") == 3
-    loads.sent("q1", "r1", now=10.5)
-    loads.sent("q2", "r1", now=10.6)
-    assert loads.load("r1") == 5
-    loads.completed("q1")
-    assert loads.load("r1") == 4
-    loads.report("r1", 1, report_time=11.0)  # q2 is in this count now (or done)
-    assert loads.load("r1") == 1
-    assert loads.num_sent_since_report("r1") == 0
-
-
-def test_load_follows_a_reroute_and_forgets_dead_replicas():
-    loads = LoadTracker()
-    loads.sent("q1", "r1", now=1.0)
-    assert loads.sent("q1", "r2", now=1.1) == "r1"
-    assert (loads.load("r1"), loads.load("r2")) == (0, 1)
-    assert loads.sent("q1", "r2", now=1.2) is None
-    loads.retain(["r1"])
-    assert loads.load("r2") == 0
-    loads.completed("q1")  # unknown by now: no error

@@ -1,0 +1,13 @@
+"""The embedded default model end to end through the offline API."""
+import pytest
+
+from replicas import LLM, SamplingParams
+
+
+@pytest.mark.slow
+def test_default_model_knows_the_capital_of_france():
+    llm = LLM(num_threads=1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert llm.llm_engine.model_name == "SmolLM2-135M-Instruct"

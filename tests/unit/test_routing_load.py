@@ -1,0 +1,67 @@
+from serve_app.routing.load import LoadTracker
+
+
+def test_load_is_report_plus_sends_since_it():
+    loads = LoadTracker()
+    loads.report("r1", 3, report_time=10.0)
+    assert loads.load("r1") == 3
+    loads.sent("q1", "r1", now=10.5)
+    loads.sent("q2", "r1", now=10.6)
+    assert loads.load("r1") == 5
+    loads.completed("q1")
+    assert loads.load("r1") == 4
+    loads.report("r1", 1, report_time=11.0)  # q2 is in this count now
+    assert loads.load("r1") == 1
+    assert loads.num_sent_since_report("r1") == 0
+
+
+def test_requests_seen_finishing_after_a_report_leave_its_count():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=9.0)
+    loads.sent("q2", "r1", now=9.1)
+    loads.report("r1", 2, report_time=10.0)  # both running at report time
+    loads.completed("q1")
+    assert loads.load("r1") == 1  # a stale report does not push work away from a free replica
+    loads.completed("q2")
+    loads.completed("q2")  # twice: no effect
+    assert loads.load("r1") == 0
+    loads.report("r1", 0, report_time=11.0)
+    assert loads.load("r1") == 0
+
+
+def test_load_never_goes_negative_with_other_routers_requests():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=9.0)
+    loads.report("r1", 0, report_time=10.0)  # q1 had already finished on the replica
+    loads.completed("q1")
+    assert loads.load("r1") == 0
+
+
+def test_no_report_yet_counts_every_send():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=1.0)
+    loads.sent("q2", "r1", now=2.0)
+    assert loads.load("r1") == 2
+    loads.completed("q1")
+    assert loads.load("r1") == 1
+
+
+def test_load_follows_a_reroute_and_forgets_dead_replicas():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=1.0)
+    assert loads.sent("q1", "r2", now=1.1) == "r1"
+    assert (loads.load("r1"), loads.load("r2")) == (0, 1)
+    assert loads.sent("q1", "r2", now=1.2) is None
+    loads.retain(["r1"])
+    assert loads.load("r2") == 0
+    loads.completed("q1")  # unknown by now: no error
+
+
+def test_requests_never_seen_finishing_are_dropped_eventually(monkeypatch):
+    import serve_app.routing.load as load_module
+    monkeypatch.setattr(load_module, "MAX_IN_FLIGHT", 3)
+    loads = LoadTracker()
+    for i in range(3):
+        loads.sent(f"old{i}", "r1", now=0.0)
+    loads.sent("new", "r1", now=load_module.IN_FLIGHT_TTL_S + 1)
+    assert loads.load("r1") == 1
