@@ -31,6 +31,26 @@ def time_call(fn: Callable[[], object], *, min_time_s: float = 0.2, max_reps: in
     return min(times)
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], *, min_time_s: float = 0.3,
+                     max_rounds: int = 30, sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """Best seconds per call of each function, timed in alternating rounds (a, b, c, a, b, c...),
+    so load from other processes falls on all of them alike rather than on whichever ran then."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
+    began = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds < 3 or time.perf_counter() - began < min_time_s * len(fns)):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            best[name] = min(best[name], time.perf_counter() - start)
+        rounds += 1
+    return best
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write bench/results/<name>.json, stamped with when and where it ran."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.common import time_call, write_result
+from bench.common import time_call, time_interleaved, write_result
 from kernels import reference
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
@@ -126,22 +126,25 @@ def run_cpu(args) -> None:
             b = Batch(seqs, args, dtype, "cpu")
             expected = reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale)
             err = max_error(fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale), expected)
-            t_ref = time_call(lambda: reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
-                              min_time_s=args.min_time, max_reps=5)
-            t_fast = time_call(lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
-                               min_time_s=args.min_time)
-            t_sdpa = time_call(b.contiguous_sdpa(), min_time_s=args.min_time)
+            t = time_interleaved({
+                "reference": lambda: reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
+                "torch": lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
+                "sdpa": b.contiguous_sdpa()}, min_time_s=args.min_time)
+            t_ref, t_fast, t_sdpa = t["reference"], t["torch"], t["sdpa"]
             rows.append(dict(kind="attention", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, sdpa_contiguous_ms=t_sdpa * 1e3,
                              speedup_vs_reference=t_ref / t_fast, slowdown_vs_sdpa=t_fast / t_sdpa,
                              max_error=err))
             print(f"{name:38} {t_ref * 1e3:10.2f} {t_fast * 1e3:9.2f} {t_sdpa * 1e3:8.2f} "
                   f"{t_ref / t_fast:7.2f} {t_fast / t_sdpa:7.2f} {err:8.1e}", flush=True)
-        for name, seqs in [("store_kv 64 decode tokens", decode(64, 512)), ("store_kv 1024 prefill tokens", [(1024, 1024)])]:
+        stores = [("store_kv 64 decode tokens", decode(64, 512)), ("store_kv 1024 prefill tokens", [(1024, 1024)])]
+        for name, seqs in stores:
             b = Batch(seqs, args, dtype, "cpu")
             slots = b.metadata.slot_mapping
-            t_ref = time_call(lambda: reference.store_kv(b.key, b.value, b.kv_cache, slots), min_time_s=args.min_time)
-            t_fast = time_call(lambda: fast.store_kv(b.key, b.value, b.kv_cache, slots), min_time_s=args.min_time)
+            t = time_interleaved({"reference": lambda: reference.store_kv(b.key, b.value, b.kv_cache, slots),
+                                  "torch": lambda: fast.store_kv(b.key, b.value, b.kv_cache, slots)},
+                                 min_time_s=args.min_time)
+            t_ref, t_fast = t["reference"], t["torch"]
             rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
             print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>8} {t_ref / t_fast:7.2f}")
@@ -205,7 +208,8 @@ def run_cuda(args) -> None:
         b = Batch(decode(batch, context), args, dtype, device)
         splits = triton_attention.choose_num_splits(b.metadata, b.kv_cache, b.query.shape[1])
         t_auto = timed(lambda: tri.paged_attention(b.query, b.kv_cache, b.metadata, b.scale))
-        t_one = timed(lambda: triton_attention.paged_attention(b.query, b.kv_cache, b.metadata, b.scale, num_splits=1))
+        t_one = timed(lambda: triton_attention.paged_attention(b.query, b.kv_cache, b.metadata, b.scale,
+                                                               num_splits=1))
         t_sdpa = timed(b.contiguous_sdpa())
         gbps, gbps_one = b.kv_bytes() / t_auto / 1e9, b.kv_bytes() / t_one / 1e9
         rows.append(dict(kind="decode", batch=batch, context=context, num_splits=splits, triton_s=t_auto,
@@ -224,7 +228,8 @@ def run_cuda(args) -> None:
         tflops, sdpa_tflops = b.flops() / t_tri / 1e12, b.flops() / t_sdpa / 1e12
         rows.append(dict(kind="prefill", seqs=num_seqs, query_len=q_len, cached=cached, triton_s=t_tri,
                          sdpa_contiguous_s=t_sdpa, tflops=tflops, speedup_vs_sdpa=t_sdpa / t_tri))
-        print(f"{num_seqs:5} {q_len:6} {cached:6} {tflops:8.2f} {sdpa_tflops:8.2f} {t_sdpa / t_tri:7.2f}", flush=True)
+        print(f"{num_seqs:5} {q_len:6} {cached:6} {tflops:8.2f} {sdpa_tflops:8.2f} {t_sdpa / t_tri:7.2f}",
+              flush=True)
 
     name = "kernels_cuda" if device == "cuda" else "kernels_cuda_smoke"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"

@@ -71,6 +71,15 @@ class Ingress:
         self._health: tuple[float, bool, str] = (0.0, False, "")
         self._dead_replicas: dict[str, float] = {}  # replica id -> when its engine was seen dead
         self.metrics = IngressMetrics()
+        async def _hb():
+            import sys, traceback
+            last = time.time()
+            while True:
+                await asyncio.sleep(0.2)
+                if time.time() - last > 0.5:
+                    logger.warning("DEBUG loop blocked %.2f", time.time() - last)
+                last = time.time()
+        asyncio.get_running_loop().create_task(_hb())
 
     def model_name(self) -> str:
         return self._info.name if self._info is not None else ""
@@ -266,12 +275,12 @@ class Ingress:
         """Send every prompt to a replica and wait for each first delta (errors surface here)."""
         send = self.replica_stream.generate.remote
         started = [ReplicaStream(functools.partial(send, r), self._map_error) for r in requests]
-        try:
-            await asyncio.gather(*(s.prime() for s in started))
-        except BaseException:
+        results = await asyncio.gather(*(s.prime() for s in started), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
             for s in started:
                 s.cancel()
-            raise
+            raise failures[0]
         return started
 
     def _map_error(self, exc: BaseException) -> BaseException:
@@ -281,7 +290,6 @@ class Ingress:
 
         from replicas.async_engine import EngineDeadError
 
-        logger.warning("DEBUG map_error %r %s", exc, type(exc).__mro__)
         if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
             return exc
         cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc

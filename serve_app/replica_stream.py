@@ -25,20 +25,30 @@ class ReplicaStream:
         self.finished = False
 
     async def prime(self) -> None:
+        import logging; logging.getLogger("ray.serve").warning("DEBUG prime start at %.3f", time.time())
         try:
             self.generator = self.send()
             self.first = await self.generator.__anext__()
         except StopAsyncIteration:
             self.finished = True
         except BaseException as exc:
+            import logging; logging.getLogger("ray.serve").warning("DEBUG prime failed %r at %.3f", exc, time.time())
+            if isinstance(exc, asyncio.CancelledError):
+                self.cancel()
+            self.finished = True  # a failed call holds nothing to cancel
             raise self.map_error(exc) from None
         self.first_delta_time = time.monotonic()
 
     def cancel(self) -> None:
-        if not self.finished:
-            self.finished = True
-            if self.generator is not None:
-                self.generator.cancel()
+        """Abort the replica call. Never blocks the event loop: cancelling a call that has not
+        reached a replica yet waits for its assignment, so that happens in a thread."""
+        if self.finished or self.generator is None:
+            return
+        self.finished = True
+        if self.first_delta_time is not None:
+            _cancel_quietly(self.generator)
+        else:
+            asyncio.get_running_loop().run_in_executor(None, _cancel_quietly, self.generator)
 
     async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
         if self.first is not None:
@@ -57,6 +67,13 @@ class ReplicaStream:
                 raise self.map_error(exc) from None
             self.finished = delta.finished
             yield delta
+
+
+def _cancel_quietly(generator) -> None:
+    try:
+        generator.cancel()
+    except Exception:  # noqa: BLE001 - it failed or finished already: nothing left to cancel
+        pass
 
 
 async def merge_streams(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, GenerateDelta]]:

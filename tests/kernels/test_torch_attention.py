@@ -57,4 +57,5 @@ def test_decode_groups(monkeypatch, seqs):
 
 def test_empty_batch():
     case = Case([], num_heads=4, num_kv_heads=2)
-    assert torch_attention.paged_attention(case.query, case.kv_cache, case.metadata, case.scale).shape == (0, 4, 64)
+    out = torch_attention.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
+    assert out.shape == (0, 4, 64)
