@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--kv-cache-gb", type=float, default=4.0)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="pagedserve,transformers")
