@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from replicas import cache_digest
 from replicas.config import EngineConfig
 from replicas.outputs import PositionLogprobs, RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -184,11 +186,20 @@ class EngineReplica:
             "block_size": self.engine.block_size,
             "vocab_size": getattr(runner, "vocab_size", None) or len(tokenizer),
             "max_logprobs": self.config.max_logprobs,
-            "tokenizer": tokenizer,
+            "tokenizer": pickle.dumps(tokenizer),  # unpickled off the ingress's event loop
         }
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "replica_id": self.replica_id}
+
+    # -- routing and autoscaling signals ------------------------------------------------------
+    def record_routing_stats(self) -> dict:
+        """Ray Serve polls this for the request router: cached block hashes and queue depth."""
+        return {**cache_digest.routing_stats(self.engine), "replica_id": self.replica_id}
+
+    def record_autoscaling_stats(self) -> dict:
+        """Ray Serve window-averages this for the autoscaling policy (`queue_depth`)."""
+        return cache_digest.autoscaling_stats(self.engine)
 
     # -- health -------------------------------------------------------------------------------
     def check_health(self) -> None:

@@ -9,13 +9,18 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from replicas.default_model import check_model_dir
 from replicas.deployment import EngineReplica
+from serve_app import autoscaling as queue_depth_autoscaling
 from serve_app.config import ServeSettings
 from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
+from serve_app.routing.policy import RoutingSettings
 
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
 ROUTING_STATS_PERIOD_S = 1.0
+# Used when the settings name none: prefix-cache-affinity routing, queue-depth autoscaling.
+DEFAULT_REQUEST_ROUTER = "serve_app.routing.router:PrefixAffinityRouter"
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
@@ -31,25 +36,39 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
     )
     if settings.autoscaling:
         min_replicas = settings.min_replicas if settings.min_replicas is not None else 1
-        autoscaling: dict[str, Any] = dict(
-            min_replicas=min_replicas,
-            max_replicas=settings.max_replicas or max(min_replicas, settings.num_replicas),
-            initial_replicas=max(min_replicas, min(settings.num_replicas,
-                                                   settings.max_replicas or settings.num_replicas)),
-            # Ray's default policy counts running + queued requests per replica.
-            target_ongoing_requests=settings.engine.max_num_seqs + settings.target_queue_depth,
-        )
+        max_replicas = settings.max_replicas or max(min_replicas, settings.num_replicas)
+        initial_replicas = max(min_replicas, min(settings.num_replicas,
+                                                 settings.max_replicas or settings.num_replicas))
+        delays = {key: getattr(settings, key) for key in ("upscale_delay_s", "downscale_delay_s")
+                  if getattr(settings, key) is not None}
         if settings.autoscaling_policy:
-            autoscaling["policy"] = {"policy_function": settings.autoscaling_policy}
+            autoscaling: dict[str, Any] = dict(
+                min_replicas=min_replicas, max_replicas=max_replicas,
+                initial_replicas=initial_replicas,
+                # Ray's default policy counts running + queued requests per replica.
+                target_ongoing_requests=settings.engine.max_num_seqs + settings.target_queue_depth,
+                policy={"policy_function": settings.autoscaling_policy}, **delays)
+        else:
+            autoscaling = queue_depth_autoscaling.autoscaling_config(
+                min_replicas=min_replicas, max_replicas=max_replicas,
+                initial_replicas=initial_replicas,
+                target_queue_depth=settings.target_queue_depth, **delays)
         options["autoscaling_config"] = autoscaling
+        if "graceful_shutdown_timeout_s" not in settings.model_fields_set:
+            # A replica scaled down drains its in-flight requests: give long generations time.
+            options["graceful_shutdown_timeout_s"] = max(
+                settings.graceful_shutdown_timeout_s,
+                queue_depth_autoscaling.DEFAULTS["graceful_shutdown_timeout_s"])
     else:
         options["num_replicas"] = settings.num_replicas
-    if settings.request_router_class:
-        options["request_router_config"] = {
-            "request_router_class": settings.request_router_class,
-            "request_router_kwargs": settings.request_router_kwargs,
-            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
-        }
+    router = settings.request_router_class or DEFAULT_REQUEST_ROUTER
+    if router == DEFAULT_REQUEST_ROUTER:  # a bad threshold fails the deploy, not the first request
+        RoutingSettings(**settings.request_router_kwargs)
+    options["request_router_config"] = {
+        "request_router_class": router,
+        "request_router_kwargs": settings.request_router_kwargs,
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
     return options
 
 
@@ -70,4 +89,7 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
 
 def app(args: dict[str, str]) -> Application:
     """Application builder for `serve run serve_app:app key=value ...` and config files."""
-    return build_app(ServeSettings.from_args(args))
+    settings = ServeSettings.from_args(args)
+    if settings.engine.model is not None:  # fail here, not in every replica's constructor
+        check_model_dir(settings.engine.model)
+    return build_app(settings)

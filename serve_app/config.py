@@ -6,6 +6,7 @@ or value fails the deploy at once with a message naming it.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -34,7 +35,8 @@ class ServeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(num_threads=DEFAULTS["num_threads"]))
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(num_threads=DEFAULTS["num_threads"]))
     # Empty: no authentication. Read from PAGEDSERVE_API_KEYS when not given.
     api_keys: list[str] = Field(default_factory=list)
 
@@ -43,6 +45,8 @@ class ServeSettings(BaseModel):
     min_replicas: int | None = Field(None, ge=0)
     max_replicas: int | None = Field(None, ge=1)
     target_queue_depth: float = Field(DEFAULTS["target_queue_depth"], gt=0)
+    upscale_delay_s: float | None = Field(None, ge=0)  # None: the autoscaling policy's default
+    downscale_delay_s: float | None = Field(None, ge=0)
     replica_num_cpus: float | None = Field(None, ge=0)  # None: the engine's num_threads
     replica_num_gpus: float = Field(0, ge=0)
     # Requests Ray sends one replica at once; None: the engine's max_num_seqs.
@@ -62,7 +66,8 @@ class ServeSettings(BaseModel):
     ingress_max_ongoing_requests: int = Field(DEFAULTS["ingress_max_ongoing_requests"], ge=1)
 
     # Seams: import paths ("module:attr") for a custom engine class, request router, and
-    # autoscaling policy function. None: AsyncEngine, Ray Serve's default router and policy.
+    # autoscaling policy function. None: AsyncEngine, serve_app.routing's prefix-affinity router,
+    # serve_app.autoscaling's queue-depth policy.
     engine_class: str | None = None
     request_router_class: str | None = None
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -74,6 +79,11 @@ class ServeSettings(BaseModel):
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
+
+    @field_validator("request_router_kwargs", mode="before")
+    @classmethod
+    def _parse_kwargs(cls, value):
+        return json.loads(value) if isinstance(value, str) else value  # from the command line
 
     @model_validator(mode="after")
     def _check(self) -> "ServeSettings":
@@ -113,7 +123,8 @@ class ServeSettings(BaseModel):
         if unknown:
             raise ValueError(
                 f"unknown setting(s) {', '.join(unknown)}. Serving settings: "
-                f"{', '.join(sorted(serve_fields))}. Engine settings: {', '.join(sorted(engine_fields))}.")
+                f"{', '.join(sorted(serve_fields))}. "
+                f"Engine settings: {', '.join(sorted(engine_fields))}.")
         for key in [k for k in args if k in engine_fields]:
             engine_args[key] = args.pop(key)
         engine_args.setdefault("num_threads", DEFAULTS["num_threads"])

@@ -105,7 +105,8 @@ class CompletionFormatter(_Formatter):
                     offsets[p][cd.index] += len(cd.text)
                     yield self._chunk([CompletionChoice(index=index, text=cd.text, logprobs=logprobs)])
                 if cd.finish_reason is not None:
-                    yield self._chunk([CompletionChoice(index=index, text="", finish_reason=cd.finish_reason,
+                    yield self._chunk([CompletionChoice(index=index, text="",
+                                                        finish_reason=cd.finish_reason,
                                                         stop_reason=cd.stop_reason)])
         if self.request.include_usage:
             yield self._chunk([], usage(self.states))
@@ -147,7 +148,8 @@ class ChatFormatter(_Formatter):
                 if cd.text or (self.request.logprobs and cd.token_ids):
                     logprobs = self.logprobs.chat(cd.token_ids, cd.logprobs or []) \
                         if self.request.logprobs else None
-                    yield self._chunk([ChatStreamChoice(index=cd.index, delta=DeltaMessage(content=cd.text),
+                    yield self._chunk([ChatStreamChoice(index=cd.index,
+                                                        delta=DeltaMessage(content=cd.text),
                                                         logprobs=logprobs)])
                 if cd.finish_reason is not None:
                     yield self._chunk([ChatStreamChoice(index=cd.index, delta=DeltaMessage(),

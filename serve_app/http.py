@@ -10,7 +10,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from serve_app import errors
@@ -54,7 +54,9 @@ class FrontDoorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # under a route prefix, e.g. "/my-app/v1/models"
+            path = path[len(root):] or "/"
         endpoint = COUNTED_PATHS.get(path, "other")
         status = [500]
 

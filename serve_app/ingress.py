@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,22 +24,20 @@ from typing import Any
 from ray import serve
 
 from replicas.block_hash import block_hashes
-from replicas.deployment import EngineReplicaDead, GenerateRequest
-from serve_app import errors
+from replicas.deployment import GenerateRequest
+from serve_app import errors, formatters
 from serve_app.config import ServeSettings
 from serve_app.errors import OpenAIError
+from serve_app.health import ReplicaHealth
 from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.replica_stream import ReplicaStream, merge_streams
-from serve_app import formatters
+from serve_app.replica_stream import ReplicaStream, map_replica_error, merge_streams
 
 logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "EngineReplica"
-HEALTH_CACHE_S = 0.5
-DEAD_REPLICA_MEMORY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,11 @@ class Ingress:
         self.replica_stream = engine_replica.options(stream=True)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
-        self._health: tuple[float, bool, str] = (0.0, False, "")
-        self._dead_replicas: dict[str, float] = {}  # replica id -> when its engine was seen dead
+        self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
         self.metrics = IngressMetrics()
-        async def _hb():
-            import sys, traceback
-            last = time.time()
-            while True:
-                await asyncio.sleep(0.2)
-                if time.time() - last > 0.5:
-                    logger.warning("DEBUG loop blocked %.2f", time.time() - last)
-                last = time.time()
-        asyncio.get_running_loop().create_task(_hb())
+        # Fetch the model's facts and tokenizer in the background: the first request then finds
+        # them ready (a failure here is retried by the first request that needs them).
+        self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_model_info())
 
     def model_name(self) -> str:
         return self._info.name if self._info is not None else ""
@@ -97,12 +89,21 @@ class Ingress:
                         info = await self.replica.model_info.remote()
                     except Exception as exc:
                         raise self._map_error(exc) from None
+                    # Unpickling imports transformers (seconds): keep it off the event loop.
+                    tokenizer = await asyncio.to_thread(pickle.loads, info["tokenizer"])
                     self._info = ModelInfo(
                         name=info["model_name"], max_model_len=info["max_model_len"],
                         block_size=info["block_size"], vocab_size=info["vocab_size"],
-                        max_logprobs=info["max_logprobs"], tokenizer=info["tokenizer"],
+                        max_logprobs=info["max_logprobs"], tokenizer=tokenizer,
                         created=int(time.time()))
         return self._info
+
+    async def _prefetch_model_info(self) -> None:
+        try:
+            await self.model_info()
+        except Exception:  # noqa: BLE001
+            logger.warning("could not fetch model info yet; the first request will retry",
+                           exc_info=True)
 
     async def models(self) -> ModelList:
         info = await self.model_info()
@@ -135,9 +136,7 @@ class Ingress:
         merged = merge_streams(replica_streams)
         if request.stream:
             return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
-        response = await formatter.collect(merged)
-        self._record(formatter, info, started, replica_streams)
-        return response
+        return await self._collected(formatter, merged, info, started, replica_streams)
 
     def _completion_prompts(self, request: CompletionRequest, info: ModelInfo) -> list[Prompt]:
         prompt = request.prompt
@@ -173,9 +172,7 @@ class Ingress:
         merged = merge_streams(replica_streams)
         if request.stream:
             return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
-        response = await formatter.collect(merged)
-        self._record(formatter, info, started, replica_streams)
-        return response
+        return await self._collected(formatter, merged, info, started, replica_streams)
 
     def _chat_prompt(self, request: ChatCompletionRequest | TokenizeChatRequest,
                      info: ModelInfo) -> Prompt:
@@ -223,26 +220,8 @@ class Ingress:
 
     # -- health --------------------------------------------------------------------------------
     async def health(self) -> tuple[bool, str]:
-        """(healthy, reason): every engine replica running and none failing its health check."""
-        now = time.monotonic()
-        if self._dead_replicas:
-            # Ray Serve needs a few failed health checks to replace a dead replica; until the
-            # replica is gone, say so.
-            names = await asyncio.to_thread(_replica_actor_names)
-            for replica_id, seen in list(self._dead_replicas.items()):
-                if now - seen > DEAD_REPLICA_MEMORY_S or not any(n.endswith(f"#{replica_id}") for n in names):
-                    del self._dead_replicas[replica_id]
-            if self._dead_replicas:
-                return False, f"engine replica(s) {', '.join(self._dead_replicas)} died"
-        checked_at, healthy, reason = self._health
-        if now - checked_at < HEALTH_CACHE_S:
-            return healthy, reason
-        try:
-            healthy, reason = await asyncio.to_thread(_replicas_healthy)
-        except Exception as exc:
-            healthy, reason = False, f"cannot read the application status: {exc}"
-        self._health = (time.monotonic(), healthy, reason)
-        return healthy, reason
+        """(healthy, reason): every engine replica running, none with a dead engine loop."""
+        return await self.replica_health.check()
 
     # -- internals -----------------------------------------------------------------------------
     def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
@@ -250,13 +229,19 @@ class Ingress:
                           prompt_param: str) -> GenerateRequest:
         num_prompt = len(prompt.token_ids)
         limit = info.max_model_len
-        if num_prompt + (max_tokens or 1) > limit:
-            requested = num_prompt + (max_tokens or 0)
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{requested} tokens ({num_prompt} in the {prompt_param}, {max_tokens or 0} in the "
-                f"completion). Please reduce the length of the {prompt_param} or completion.",
-                400, param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None and num_prompt >= limit:
+            message = (f"This model's maximum context length is {limit} tokens. However, your "
+                       f"{prompt_param} resulted in {num_prompt} tokens. Please reduce the length "
+                       f"of the {prompt_param}.")
+        elif max_tokens is not None and num_prompt + max_tokens > limit:
+            message = (f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                       f"{prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                       f"of the {prompt_param} or completion.")
+        else:
+            message = None
+        if message:
+            raise OpenAIError(message, 400, param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - num_prompt
         for token_id in [*(request.stop_token_ids or []), *map(int, request.logit_bias or {})]:
@@ -284,32 +269,23 @@ class Ingress:
         return started
 
     def _map_error(self, exc: BaseException) -> BaseException:
-        """An exception from a replica call, as the OpenAIError a client should see."""
-        from ray.exceptions import RayActorError, RayTaskError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-
-        from replicas.async_engine import EngineDeadError
-
-        if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
-            return exc
-        cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
-        if isinstance(cause, BackPressureError):
-            return errors.overloaded(self.settings.retry_after_s)
-        if isinstance(cause, (EngineReplicaDead, EngineDeadError)):
-            if isinstance(cause, EngineReplicaDead):
-                self._dead_replicas[cause.replica_id] = time.monotonic()
-            return errors.unavailable(f"the engine failed: {cause}", self.settings.retry_after_s)
-        if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
-            return errors.unavailable("no engine replica is available", self.settings.retry_after_s)
-        if isinstance(cause, ValueError):
-            return errors.bad_request(str(cause))
-        logger.error("unexpected error from an engine replica: %r", exc)
-        return errors.internal_error(cause)
+        return map_replica_error(exc, self.settings.retry_after_s, self.replica_health.mark_dead)
 
     def _record(self, formatter, info: ModelInfo, started: float, replica_streams) -> None:
         first = min((s.first_delta_time for s in replica_streams if s.first_delta_time), default=None)
         self.metrics.record_request(info.name, started, first, formatter.num_prompt_tokens,
                                     formatter.num_cached_tokens, formatter.num_generated_tokens)
+
+    async def _collected(self, formatter, merged, info: ModelInfo, started: float,
+                         replica_streams: list[ReplicaStream]):
+        try:
+            return await formatter.collect(merged)
+        except BaseException:
+            for s in replica_streams:
+                s.cancel()
+            raise
+        finally:
+            self._record(formatter, info, started, replica_streams)
 
     async def _observed(self, chunks: AsyncIterator, formatter, info: ModelInfo, started: float,
                         replica_streams: list[ReplicaStream]) -> AsyncIterator:
@@ -333,30 +309,3 @@ def _parse(model_cls, request):
         return model_cls.model_validate(request)
     except ValidationError as exc:
         raise errors.from_validation_error(exc.errors()) from None
-
-
-def _replica_actor_names() -> list[str]:
-    import ray
-    context = serve.get_replica_context()
-    prefix = f"{context.app_name}#{REPLICA_DEPLOYMENT}#"
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if prefix in a["name"]]
-
-
-def _replicas_healthy() -> tuple[bool, str]:
-    context = serve.get_replica_context()
-    app = serve.status().applications.get(context.app_name)
-    if app is None:
-        return False, f"application {context.app_name!r} not found"
-    deployment = app.deployments.get(REPLICA_DEPLOYMENT)
-    if deployment is None:
-        return False, f"deployment {REPLICA_DEPLOYMENT!r} not found"
-    states = {str(getattr(k, "value", k)): v for k, v in deployment.replica_states.items()}
-    status = str(getattr(deployment.status, "value", deployment.status))
-    running = states.get("RUNNING", 0)
-    if status in ("UNHEALTHY", "DEPLOY_FAILED"):
-        return False, f"engine replicas are {status}: {deployment.message}"
-    if running == 0:
-        return False, "no engine replica is running"
-    if states.get("RECOVERING", 0):
-        return False, "an engine replica is recovering"
-    return True, f"{running} engine replica(s) running"

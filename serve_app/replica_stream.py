@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from replicas.deployment import GenerateDelta
+from replicas.deployment import EngineReplicaDead, GenerateDelta
+from serve_app import errors
+from serve_app.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
 
 _END = object()
 
@@ -25,14 +30,12 @@ class ReplicaStream:
         self.finished = False
 
     async def prime(self) -> None:
-        import logging; logging.getLogger("ray.serve").warning("DEBUG prime start at %.3f", time.time())
         try:
             self.generator = self.send()
             self.first = await self.generator.__anext__()
         except StopAsyncIteration:
             self.finished = True
         except BaseException as exc:
-            import logging; logging.getLogger("ray.serve").warning("DEBUG prime failed %r at %.3f", exc, time.time())
             if isinstance(exc, asyncio.CancelledError):
                 self.cancel()
             self.finished = True  # a failed call holds nothing to cancel
@@ -67,6 +70,28 @@ class ReplicaStream:
                 raise self.map_error(exc) from None
             self.finished = delta.finished
             yield delta
+
+
+def map_replica_error(exc: BaseException, retry_after_s: int,
+                      mark_dead: Callable[[str], None]) -> BaseException:
+    """An exception from a replica call, as the OpenAIError a client should see."""
+    from ray.exceptions import RayActorError, RayTaskError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, (OpenAIError, asyncio.CancelledError)):
+        return exc
+    cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+    if isinstance(cause, BackPressureError):
+        return errors.overloaded(retry_after_s)
+    if isinstance(cause, EngineReplicaDead):
+        mark_dead(cause.replica_id)
+        return errors.unavailable(f"the engine failed: {cause}", retry_after_s)
+    if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
+        return errors.unavailable("no engine replica is available", retry_after_s)
+    if isinstance(cause, ValueError):  # the engine rejected the request
+        return errors.bad_request(str(cause))
+    logger.error("unexpected error from an engine replica: %r", exc)
+    return errors.internal_error(cause)
 
 
 def _cancel_quietly(generator) -> None:

@@ -76,7 +76,8 @@ class LogprobFormatter:
 
     def _top(self, position: PositionLogprobs) -> list[tuple[int, float]]:
         ranked = sorted(position.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
-        return [(tid, lp.logprob) for tid, lp in ranked if lp.rank is not None and lp.rank <= self.num_top]
+        return [(tid, lp.logprob) for tid, lp in ranked
+                if lp.rank is not None and lp.rank <= self.num_top]
 
     def completion(self, token_ids: list[int], positions: list[PositionLogprobs | None],
                    text_offset: int, out: CompletionLogprobs | None = None) -> CompletionLogprobs:

@@ -48,6 +48,10 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> float:
     raise AssertionError(f"no 200 from {url} within {timeout_s}s")
 
 
+# Ray's driver answers SIGTERM by stopping its cluster, then exits with 15 or aborts (SIGABRT).
+STOPPED_CODES = (0, signal.SIGTERM, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGABRT)
+
+
 def stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -55,6 +59,14 @@ def stop(proc: subprocess.Popen) -> int:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def smoke(base: str, model: str | None = None) -> str:
@@ -83,8 +95,12 @@ def test_serve_run_import_path_with_overrides(tiny_model_dir):
         smoke(f"http://127.0.0.1:{PORT}", "tiny-cli")
     finally:
         code = stop(proc)
-    assert code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert code in STOPPED_CODES
     assert wait_for_port_closed(PORT, 30)
+    deadline = time.monotonic() + 30
+    while not group_gone(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert group_gone(proc.pid), "Ray processes outlived serve run"
 
 
 def wait_for_port_closed(port: int, timeout_s: float) -> bool:

@@ -13,12 +13,15 @@ from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, deploy, replica_stats,
 
 APP = "limited"
 PREFIX = "/limited"
+KEY = "sk-limited"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def limited(cluster, tiny_model_dir):
     deploy(dict(model=tiny_model_dir, num_replicas=1, replica_num_cpus=0.5,
                 replica_max_ongoing_requests=1, max_queued_requests=1, retry_after_s=2,
+                api_keys=KEY,
                 health_check_period_s=0.5, engine_class="tests.serve.faulty_engine:FaultyEngine",
                 **ENGINE_ARGS), APP, PREFIX)
     yield f"{cluster.base_url}{PREFIX}"
@@ -26,16 +29,23 @@ def limited(cluster, tiny_model_dir):
     serve.delete(APP)
 
 
+def test_keys_under_a_route_prefix(limited):
+    assert httpx.get(f"{limited}/health").status_code == 200  # open
+    assert httpx.get(f"{limited}/v1/models").status_code == 401
+    assert httpx.get(f"{limited}/v1/models", headers=AUTH).status_code == 200
+
+
 def test_full_queue_is_429_with_retry_after(limited):
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
 
     async def burst():
-        async with httpx.AsyncClient(base_url=limited, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=limited, timeout=60, headers=AUTH) as http:
             return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
 
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) >= 2 and 429 in statuses, [(r.status_code, r.text[:300]) for r in responses]
+    assert statuses.count(200) >= 2 and 429 in statuses, [(r.status_code, r.text[:300])
+                                                           for r in responses]
     rejected = next(r for r in responses if r.status_code == 429)
     assert rejected.headers["Retry-After"] == "2"
     assert rejected.json()["error"]["code"] == "engine_overloaded"
@@ -43,7 +53,7 @@ def test_full_queue_is_429_with_retry_after(limited):
 
 
 def test_engine_death_mid_stream_then_health_503_then_recovery(limited, fault_file):
-    with httpx.Client(base_url=limited, timeout=60) as http:
+    with httpx.Client(base_url=limited, timeout=60, headers=AUTH) as http:
         assert http.get("/health").status_code == 200
         (before,) = replica_stats(APP, 1)
         fault_file.write_text("die")

@@ -102,9 +102,10 @@ def test_separate_driver_streams_through_the_app_handle(app, client):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    http_text = client.chat.completions.create(
+    reply = client.chat.completions.create(
         model=MODEL_NAME, max_tokens=10, temperature=0,
-        messages=[{"role": "user", "content": "what is the capital of france"}]).choices[0].message.content
+        messages=[{"role": "user", "content": "what is the capital of france"}])
+    http_text = reply.choices[0].message.content
     assert out == {"whole": http_text, "streamed": http_text, "first_role": "assistant",
                    "type": "ChatCompletionResponse"}
 

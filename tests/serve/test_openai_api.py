@@ -80,7 +80,10 @@ def test_chat_stream_joined_equals_non_stream(client):
     chunks = list(client.chat.completions.create(**kwargs, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    final_usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and final_usage.prompt_tokens_details is not None
+    assert (final_usage.prompt_tokens, final_usage.completion_tokens, final_usage.total_tokens) == \
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0] is chunks[-2]
     assert finals[0].choices[0].finish_reason == whole.choices[0].finish_reason

@@ -1,0 +1,184 @@
+"""The cost of the serving path: 32 concurrent streams over HTTP vs offline `LLM.generate`.
+
+The same seeded requests (token-id prompts, greedy, `ignore_eos`, fixed output lengths) run
+through `LLM.generate` in a subprocess, and as 32 concurrent streaming `/v1/completions` calls to
+the Ray Serve app (proxy -> ingress -> engine replicas) started in this process. Rounds alternate
+(offline, serving, offline, ...) so load from other processes falls on both; each round has new
+prompts (no prefix-cache hits from an earlier round); the best round of each counts. Prints output tokens/s for both and the ratio (goal >= 0.9); writes JSON.
+
+    python -m bench.serving_overhead [--model DIR] [--replicas 1] [--threads 1] [--rounds 2]
+
+By default one replica with one torch thread is compared with the offline engine on one thread:
+the same compute, so the ratio is the serving path's own cost. `--replicas 2 --offline-threads 2`
+compares the best each can do on two cores.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import write_result
+
+
+def workload(args, vocab_size: int, special_ids: set[int]) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    usable = [t for t in range(vocab_size) if t not in special_ids]
+    return [([rng.choice(usable) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+             args.output_len) for _ in range(args.num_requests)]
+
+
+def engine_args(args, threads: int) -> dict:
+    return dict(num_threads=threads, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
+
+
+def offline_child(args) -> None:
+    from replicas import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_args(args, args.offline_threads))
+    tokenizer = llm.get_tokenizer()
+    requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
+    llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    result = {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+              "texts": [o.outputs[0].text for o in outputs]}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def run_offline(argv: list[str], seed: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        subprocess.run([sys.executable, "-m", "bench.serving_overhead", *argv, "--seed", str(seed),
+                        "--child", "--out", tmp.name], check=True)
+        return json.load(open(tmp.name))
+
+
+async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, tokens, first = "", 0, None
+    start = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk["choices"]:
+                first = first or time.perf_counter() - start
+                text += chunk["choices"][0]["text"]
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return text, tokens, first
+
+
+async def run_serving_round(base_url: str, model: str, requests) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await stream_one(client, model, requests[0][0][:16], 4)  # warm-up
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(client, model, p, n) for p, n in requests))
+        seconds = time.perf_counter() - start
+    ttfts = sorted(r[2] for r in results)
+    return {"seconds": seconds, "output_tokens": sum(r[1] for r in results),
+            "texts": [r[0] for r in results], "ttft_p50_s": ttfts[len(ttfts) // 2]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--offline-threads", type=int, default=None, help="default: --threads")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.offline_threads = args.offline_threads or args.threads
+    if args.child:
+        return offline_child(args)
+
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from replicas.default_model import resolve_model
+    from serve_app import build_app
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    ray.init(num_cpus=max(2, args.replicas * args.threads), include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    began = time.perf_counter()
+    serve.run(build_app({"model": args.model, "num_replicas": args.replicas,
+                         "replica_num_cpus": args.threads, **engine_args(args, args.threads)}),
+              name="pagedserve", route_prefix="/")
+    deploy_s = time.perf_counter() - began
+    model = serve.get_app_handle("pagedserve").models.remote().result().data[0].id
+    offline_rounds, serving_rounds = [], []
+    base_seed = args.seed
+    try:
+        for round_ in range(args.rounds):
+            # New prompts every round: the app's prefix cache must not serve a repeat.
+            args.seed = base_seed + round_
+            requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
+            offline_rounds.append(run_offline(sys.argv[1:], args.seed))
+            serving = asyncio.run(run_serving_round(f"http://127.0.0.1:{port}", model, requests))
+            serving["identical_texts"] = sum(a == b for a, b in zip(offline_rounds[-1]["texts"],
+                                                                    serving["texts"]))
+            serving_rounds.append(serving)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    args.seed = base_seed
+
+    offline = min(offline_rounds, key=lambda r: r["seconds"])
+    serving = min(serving_rounds, key=lambda r: r["seconds"])
+    for r in (offline, serving):
+        r["tokens_per_s"] = r["output_tokens"] / r["seconds"]
+    same_text = min(r["identical_texts"] for r in serving_rounds)
+    ratio = serving["tokens_per_s"] / offline["tokens_per_s"]
+    print(f"offline LLM.generate ({args.offline_threads} thread(s)): {offline['tokens_per_s']:8.1f} "
+          f"output tok/s ({offline['output_tokens']} tokens in {offline['seconds']:.1f}s)")
+    print(f"HTTP, {args.num_requests} streams, {args.replicas} replica(s) x {args.threads} thread(s): "
+          f"{serving['tokens_per_s']:8.1f} output tok/s ({serving['output_tokens']} tokens in "
+          f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s)")
+    print(f"serving / offline throughput: {ratio:.3f}  (greedy texts identical in every round: "
+          f"{same_text}/{args.num_requests}; app deployed in {deploy_s:.1f}s)")
+    strip = lambda r: {k: v for k, v in r.items() if k != "texts"}  # noqa: E731
+    summary = {"config": vars(args), "ratio_serving_vs_offline": ratio, "deploy_seconds": deploy_s,
+               "identical_texts": same_text, "offline": strip(offline), "serving": strip(serving),
+               "rounds": {"offline_s": [r["seconds"] for r in offline_rounds],
+                          "serving_s": [r["seconds"] for r in serving_rounds]}}
+    print("wrote", write_result(f"serving_overhead_{args.replicas}x{args.threads}", summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The serving layer's pure parts, without Ray: settings, errors, deltas, chunk shapes."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+
+from replicas.deployment import DeltaTracker, EngineReplicaDead, GenerateDelta
+from replicas.outputs import CompletionOutput, Logprob, RequestOutput
+from serve_app.config import ServeSettings
+from serve_app.errors import OpenAIError, from_validation_error
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_settings_split_engine_and_serving_keys():
+    s = ServeSettings.from_args({"model": "/m", "max_num_seqs": "8", "num_replicas": "2",
+                                 "api_keys": "a, b", "enable_prefix_caching": "false"}, env={})
+    assert s.engine.model == "/m" and s.engine.max_num_seqs == 8
+    assert s.engine.enable_prefix_caching is False and s.engine.num_threads == 1
+    assert s.num_replicas == 2 and s.api_keys == ["a", "b"]
+    assert s.replica_ongoing_limit == 8 and s.replica_cpus == 1.0
+
+
+def test_settings_keys_from_environment_and_nested_engine():
+    s = ServeSettings.from_args({"engine": {"block_size": 32}}, env={"PAGEDSERVE_API_KEYS": "k1,k2"})
+    assert s.api_keys == ["k1", "k2"] and s.engine.block_size == 32
+    assert ServeSettings.from_args({"api_keys": ""}, env={"PAGEDSERVE_API_KEYS": "k"}).api_keys == []
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"modle": "x"}, "unknown setting(s) modle"),
+    ({"max_num_seqs": "zero"}, "max_num_seqs"),
+    ({"num_replicas": "0"}, "num_replicas"),
+    ({"min_replicas": "3", "max_replicas": "2"}, "min_replicas"),
+])
+def test_bad_settings_fail_with_the_name(args, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        ServeSettings.from_args(args, env={})
+    assert needle in str(info.value)
+
+
+def test_openai_error_survives_pickling_and_renders():
+    err = pickle.loads(pickle.dumps(OpenAIError("slow down", 429, code="engine_overloaded",
+                                                retry_after_s=3)))
+    assert (err.status_code, err.type, err.code, err.retry_after_s) == (429, "rate_limit_exceeded",
+                                                                        "engine_overloaded", 3)
+    response = err.to_response()
+    assert response.status_code == 429 and response.headers["retry-after"] == "3"
+    dead = pickle.loads(pickle.dumps(EngineReplicaDead("r1", "boom")))
+    assert dead.replica_id == "r1" and "boom" in str(dead)
+
+
+def test_validation_errors_name_the_field():
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                              "temperature": 9})
+    err = from_validation_error(info.value.errors())
+    assert err.status_code == 400 and err.param == "temperature" and "temperature" in err.message
+
+
+def test_sampling_params_carry_vllm_extras():
+    req = CompletionRequest(prompt="x", temperature=0, top_k=5, min_p=0.1, repetition_penalty=1.2,
+                            ignore_eos=True, min_tokens=2, stop="\n", logit_bias={"7": 2.0}, seed=3)
+    params = req.sampling_params(max_tokens=8, logprobs=None)
+    assert params.is_greedy and params.ignore_eos and params.min_tokens == 2
+    assert params.repetition_penalty == 1.2 and params.stop == ["\n"] and params.logit_bias == {7: 2.0}
+
+
+def output(texts, tokens, finish=None, logprobs=None):
+    return RequestOutput("r", None, [1, 2, 3], [
+        CompletionOutput(i, t, list(tok), logprobs=logprobs, finish_reason=finish)
+        for i, (t, tok) in enumerate(zip(texts, tokens))], finished=finish is not None,
+        num_cached_tokens=2)
+
+
+def test_delta_tracker_sends_only_what_changed():
+    tracker = DeltaTracker(n=2)
+    d1 = tracker.delta(output(["a", ""], [[5], []]))
+    assert [(c.index, c.text, c.token_ids) for c in d1.choices] == [(0, "a", [5])]
+    d2 = tracker.delta(output(["ab", "x"], [[5, 6], [9]]))
+    assert [(c.index, c.text, c.token_ids) for c in d2.choices] == [(0, "b", [6]), (1, "x", [9])]
+    d3 = tracker.delta(output(["ab", "xy"], [[5, 6], [9, 10]], finish="length"))
+    assert [(c.index, c.text, c.finish_reason) for c in d3.choices] == [(0, "", "length"),
+                                                                          (1, "y", "length")]
+    assert d3.finished and d3.num_prompt_tokens == 3 and d3.num_cached_tokens == 2
+
+
+def test_chat_stream_chunk_order():
+    from serve_app.formatters import ChatFormatter
+    from replicas.deployment import ChoiceDelta
+
+    class Info:
+        name, tokenizer = "m", None
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
+                                    stream_options={"include_usage": True})
+    deltas = [GenerateDelta("r", [ChoiceDelta(0, "Hel", [1])], 4, 0, False),
+              GenerateDelta("r", [ChoiceDelta(0, "lo", [2], finish_reason="stop")], 4, 0, True)]
+
+    async def merged():
+        for d in deltas:
+            yield 0, d
+
+    async def collect():
+        return [c async for c in ChatFormatter(request, Info, "chatcmpl-1").stream(merged())]
+
+    chunks = asyncio.run(collect())
+    dumped = [c.model_dump() for c in chunks]
+    assert dumped[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"].get("content") for c in dumped[1:3]] == ["Hel", "lo"]
+    assert dumped[3]["choices"][0]["delta"] == {} and dumped[3]["choices"][0]["finish_reason"] == "stop"
+    assert dumped[4]["choices"] == [] and dumped[4]["usage"]["completion_tokens"] == 2
+    assert dumped[4]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_logprob_shapes():
+    from serve_app.responses import LogprobFormatter
+
+    position = {5: Logprob(-0.1, 1, "a"), 6: Logprob(-2.0, 2, "b"), 7: Logprob(-3.0, 3, "c")}
+    fmt = LogprobFormatter(tokenizer=None, num_top=2)
+    completion = fmt.completion([5], [position], text_offset=10)
+    assert completion.tokens == ["a"] and completion.text_offset == [10]
+    assert completion.top_logprobs == [{"a": -0.1, "b": -2.0}]
+    chat = fmt.chat([6], [{6: Logprob(-2.0, 2, "b"), 5: Logprob(-0.1, 1, "a")}])
+    assert chat.content[0].token == "b" and [t.token for t in chat.content[0].top_logprobs] == ["a", "b"]
