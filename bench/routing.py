@@ -10,16 +10,16 @@ Prints the cluster prefix-cache hit rate (from `usage.prompt_tokens_details.cach
 the single-replica ideal (the same prompts replayed through one unbounded prefix cache), TTFT
 p50/p90 and throughput for both routers, and the ratios; writes bench/results/routing.json.
 
-    python -m bench.routing [--replicas 2] [--system-prompts 8] [--turns 10] [--rate 4]
+    python -m bench.routing [--replicas 2] [--system-prompts 8] [--turns 10] [--rate 2]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -93,8 +93,9 @@ def make_workload(args) -> list[Turn]:
     rng = random.Random(args.seed)
     words = [w for w in _WORDS if w.isascii()]
     # ~1.3 tokens a word with the test tokenizer: aim a little short of system_tokens
-    systems = [f"You are assistant number {i}. " + " ".join(
-        rng.choice(words) for _ in range(int(args.system_tokens / 1.35))) for i in range(args.system_prompts)]
+    num_words = int(args.system_tokens / 1.35)
+    systems = [f"You are assistant number {i}. " + " ".join(rng.choice(words) for _ in range(num_words))
+               for i in range(args.system_prompts)]
     turns = [(s, t) for s in range(args.system_prompts) for t in range(args.turns)]
     rng.shuffle(turns)  # interleaved
     arrival = 0.0
@@ -159,7 +160,8 @@ async def one_request(client, turn: Turn, args, t0: float) -> Result:
                 if usage:
                     result.prompt_tokens = usage["prompt_tokens"]
                     result.completion_tokens = usage["completion_tokens"]
-                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens", 0)
     except Exception as exc:  # a benchmark reports failures, it does not stop on them
         result.error = repr(exc)
         return result
@@ -200,7 +202,7 @@ def summarize(results: list[Result], ideal: list[int], prompt_lens: list[int]) -
     return {
         "num_requests": len(results), "num_failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / max(prompt_tokens, 1),
         "ideal_hit_rate": sum(ideal) / sum(prompt_lens),
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
         "e2e_p50_s": percentile([r.e2e_s for r in ok], 0.5),
@@ -225,12 +227,14 @@ def run_router(args, model_dir: str, router: str, workload: list[Turn], base_url
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--system-prompts", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--turns", type=int, default=10, help="user turns per system prompt")
-    parser.add_argument("--rate", type=float, default=4.0, help="arrivals per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=2.0,
+                        help="arrivals per second (Poisson); at 2/s both routers keep up here")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": __import__("os").getcwd()}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs = {}
     try:
@@ -276,8 +280,9 @@ def main(argv: list[str] | None = None) -> dict:
         "throughput_ratio": ours["output_tokens_per_s"] / base["output_tokens_per_s"],
     }
     print(f"\n{'':24}{'prefix-affinity':>16}{'default':>12}")
-    for key, fmt in (("prefix_cache_hit_rate", "{:.3f}"), ("ttft_p50_s", "{:.3f}"), ("ttft_p90_s", "{:.3f}"),
-                     ("output_tokens_per_s", "{:.1f}"), ("requests_per_s", "{:.2f}"), ("num_failed", "{}")):
+    rows = (("prefix_cache_hit_rate", "{:.3f}"), ("ttft_p50_s", "{:.3f}"), ("ttft_p90_s", "{:.3f}"),
+            ("output_tokens_per_s", "{:.1f}"), ("requests_per_s", "{:.2f}"), ("num_failed", "{}"))
+    for key, fmt in rows:
         print(f"{key:24}{fmt.format(ours[key]):>16}{fmt.format(base[key]):>12}")
     print(f"{'ideal (one replica)':24}{ours['ideal_hit_rate']:>16.3f}")
     print("\nratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))

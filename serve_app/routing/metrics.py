@@ -24,8 +24,8 @@ class RoutingMetrics:
         self.decisions.set_default_tags(default_tags)
         self.load = Gauge(
             REPLICA_ROUTER_LOAD,
-            description="A replica's load as the router sees it: reported waiting + running "
-                        "requests plus those sent since that report.",
+            description="A replica's load as the router sees it: its reported waiting + running "
+                        "requests, less those the router saw finish since, plus those it sent since.",
             tag_keys=("application", "deployment", "replica"))
         self.load.set_default_tags(default_tags)
 

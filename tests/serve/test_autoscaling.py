@@ -55,7 +55,8 @@ async def load_until(base_url: str, concurrency: int, done, results: list, limit
                         "max_tokens": 64, "ignore_eos": True, "temperature": 0}
                 try:
                     response = await client.post("/v1/completions", json=body)
-                    ok = response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 64
+                    ok = (response.status_code == 200
+                          and response.json()["usage"]["completion_tokens"] == 64)
                     results.append(True if ok else response.text)
                 except Exception as exc:  # noqa: BLE001 - any failure is the finding
                     results.append(repr(exc))
