@@ -86,21 +86,27 @@ def child(args) -> None:
         json.dump(result, f)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, max_prompt: int = 512,
+                      max_output: int = 256) -> None:
+    """The workload, model and engine flags every offline comparison shares."""
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
     parser.add_argument("--min-prompt", type=int, default=16)
-    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-prompt", type=int, default=max_prompt)
     parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--max-output", type=int, default=max_output)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
     parser.add_argument("--systems", default="pagedserve,transformers")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -290,20 +290,10 @@ def child(args) -> None:
 
 
 def main() -> None:
+    from bench.offline_throughput import add_workload_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--min-prompt", type=int, default=16)
-    parser.add_argument("--max-prompt", type=int, default=256)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser, num_requests=32, max_prompt=256, max_output=128)
     parser.add_argument("--systems", default="pagedserve,transformers",
                         help="our own and the static-batching baseline, before the peers")
     add_peer_args(parser)
