@@ -51,6 +51,15 @@ def _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
 
 
 @triton.jit
+def _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE: tl.constexpr):
+    """One tile of K and V (rows at `offsets`), loaded and cast to the compute dtype."""
+    k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
+    v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + d[None, :], mask=kv_mask,
+                other=0.0).to(COMPUTE_DTYPE)
+    return k, v
+
+
+@triton.jit
 def decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
                   query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
                   qk_scale,
@@ -99,9 +108,7 @@ def decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
         offsets = _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
                               stride_cache_block, stride_cache_pos, stride_cache_head, BLOCK_SIZE)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-        v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + d[None, :], mask=kv_mask,
-                    other=0.0).to(COMPUTE_DTYPE)
+        k, v = _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds at least one position
@@ -194,9 +201,7 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr
         offsets = _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
                               stride_cache_block, stride_cache_pos, stride_cache_head, BLOCK_SIZE)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
-        v = tl.load(cache_ptr + stride_cache_kv + offsets[:, None] + d[None, :], mask=kv_mask,
-                    other=0.0).to(COMPUTE_DTYPE)
+        k, v = _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         # Causal with the chunk's offset. Position 0 is visible to every row (padding rows too),
         # so no row is ever all -inf and m stays finite after the first tile.
