@@ -103,6 +103,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model = model_class(hf_config, torch_dtype, attention_backend, device=resolve_device(device))
     model.load_weights(iterate_weights(files))
     model.eval()
+    model.pack_weights()
     logger.info("loaded %s (%s, %s, %d file(s)) in %.1f s", path.name, model_class.__name__,
                 str(torch_dtype).removeprefix("torch."), len(files), time.perf_counter() - start)
     return model, hf_config, torch_dtype

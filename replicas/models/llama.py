@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata
 from replicas.models.rotary import RotaryEmbedding, apply_rotary
@@ -29,9 +30,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
         self.bias = _weight(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: torch.Tensor | None = None  # set by LlamaForCausalLM.pack_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(x, self.weight, self.packed, self.bias)
 
 
 class Embedding(nn.Module):
@@ -183,6 +185,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """After loading, on CPU: give every projection (and lm_head) its prepacked oneDNN copy."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = cpu_linear.pack(module.weight)
+        self.lm_head_packed = cpu_linear.pack(self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -190,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return cpu_linear.linear(hidden, self.lm_head.weight, self.lm_head_packed).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""

@@ -158,3 +158,12 @@ def test_max_context_len_stops_at_a_sliding_window(config_class, fields, expecte
                           num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
                           max_position_embeddings=256, **fields)
     assert LlamaForCausalLM(config, attention_backend="reference").max_context_len == expected
+
+
+def test_cpu_projections_run_on_packed_weights(tiny_model_dir):
+    from replicas.models.llama import Linear
+
+    model, _, _ = load_model(tiny_model_dir("llama"), dtype="float32")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert model.lm_head_packed is not None
