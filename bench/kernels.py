@@ -1,11 +1,14 @@
 """Paged-attention kernels against baselines measured in the same run.
 
-    python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V)
+    python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V);
+                                      float32: the native C decode kernel vs the torch decode path,
+                                      native RMSNorm / SiLU-and-mul vs their torch formulas
     python -m bench.kernels           CUDA: Triton vs reference (correctness), decode KV bandwidth
                                       and prefill TFLOP/s, SDPA (flash) on contiguous K/V as baseline
 
 Shapes default to the embedded model (SmolLM2-135M: 9 heads, 3 KV heads, head_dim 64, block 16).
 Results go to bench/results/kernels_cpu.json or kernels_cuda.json.
+The CPU mode measures one thread count (--threads): run it with 1 and with 2.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import time_call, time_interleaved, write_result
-from kernels import reference
+from kernels import native, reference, torch_attention
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
 
@@ -105,11 +108,17 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def cpu_cases(quick: bool):
     cases = [(f"decode B={b} ctx={c}", decode(b, c)) for b in (1, 16, 64) for c in (128, 512, 2048)
              if not (quick and b * c > 16 * 512)]
+    cases += [("decode B=64 ctx=300", decode(64, 300)), ("decode B=16 ctx=1024", decode(16, 1024))]
     cases.append(("decode B=64 ctx=16..2048", ragged_decode(64, 16, 2048)))
     cases += [(f"prefill {q}", [(q, q)]) for q in (128, 512, 1024) if not (quick and q > 512)]
     cases.append(("chunk 512 after 1024 cached", [(512, 1536)]))
     cases.append(("mixed 256-chunk + 32 decodes ctx 512", [(256, 256)] + decode(32, 512)))
     return cases
+
+
+def torch_path(query, kv_cache, metadata, scale):
+    """The torch fast path with float32 decodes kept off the native kernel: its baseline."""
+    return torch_attention.paged_attention(query, kv_cache, metadata, scale, use_native=False)
 
 
 def run_cpu(args) -> None:
@@ -119,24 +128,36 @@ def run_cpu(args) -> None:
     rows = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        print(f"\n{dtype_name}, {args.threads} thread(s); times in ms; "
-              f"x ref = reference / torch, x sdpa = torch / contiguous SDPA")
-        print(f"{'case':38} {'reference':>10} {'torch':>9} {'sdpa':>8} {'x ref':>7} {'x sdpa':>7} {'err':>8}")
+        with_native = dtype == torch.float32 and native.available()
+        print(f"\n{dtype_name}, {args.threads} thread(s); times in ms; x ref = reference / torch, "
+              f"x torch = torch / native (decodes in C), x sdpa = torch / contiguous SDPA")
+        print(f"{'case':38} {'reference':>10} {'torch':>9} {'native':>9} {'sdpa':>8} {'x ref':>7} "
+              f"{'x torch':>7} {'x sdpa':>7} {'err':>8}")
         for name, seqs in cpu_cases(args.quick):
             b = Batch(seqs, args, dtype, "cpu")
             expected = reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale)
-            err = max_error(fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale), expected)
-            t = time_interleaved({
+            err = max_error(torch_path(b.query, b.kv_cache, b.metadata, b.scale), expected)
+            contenders = {
                 "reference": lambda: reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
-                "torch": lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
-                "sdpa": b.contiguous_sdpa()}, min_time_s=args.min_time)
+                "torch": lambda: torch_path(b.query, b.kv_cache, b.metadata, b.scale),
+                "sdpa": b.contiguous_sdpa()}
+            has_native = with_native and any(q == 1 for q, _ in seqs)
+            if has_native:
+                contenders["native"] = lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale)
+                err = max(err, max_error(contenders["native"](), expected))
+            t = time_interleaved(contenders, min_time_s=args.min_time)
             t_ref, t_fast, t_sdpa = t["reference"], t["torch"], t["sdpa"]
-            rows.append(dict(kind="attention", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
-                             torch_ms=t_fast * 1e3, sdpa_contiguous_ms=t_sdpa * 1e3,
-                             speedup_vs_reference=t_ref / t_fast, slowdown_vs_sdpa=t_fast / t_sdpa,
-                             max_error=err))
-            print(f"{name:38} {t_ref * 1e3:10.2f} {t_fast * 1e3:9.2f} {t_sdpa * 1e3:8.2f} "
-                  f"{t_ref / t_fast:7.2f} {t_fast / t_sdpa:7.2f} {err:8.1e}", flush=True)
+            row = dict(kind="attention", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
+                       torch_ms=t_fast * 1e3, sdpa_contiguous_ms=t_sdpa * 1e3,
+                       speedup_vs_reference=t_ref / t_fast, slowdown_vs_sdpa=t_fast / t_sdpa, max_error=err)
+            native_cols = f"{'':>9}", f"{'':>7}"
+            if has_native:
+                t_native = t["native"]
+                row.update(native_ms=t_native * 1e3, native_speedup_vs_torch=t_fast / t_native)
+                native_cols = f"{t_native * 1e3:9.2f}", f"{t_fast / t_native:7.2f}"
+            rows.append(row)
+            print(f"{name:38} {t_ref * 1e3:10.2f} {t_fast * 1e3:9.2f} {native_cols[0]} {t_sdpa * 1e3:8.2f} "
+                  f"{t_ref / t_fast:7.2f} {native_cols[1]} {t_fast / t_sdpa:7.2f} {err:8.1e}", flush=True)
         stores = [("store_kv 64 decode tokens", decode(64, 512)), ("store_kv 1024 prefill tokens", [(1024, 1024)])]
         for name, seqs in stores:
             b = Batch(seqs, args, dtype, "cpu")
@@ -147,20 +168,72 @@ def run_cpu(args) -> None:
             t_ref, t_fast = t["reference"], t["torch"]
             rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
-            print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>8} {t_ref / t_fast:7.2f}")
+            print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>9} {'':>8} {t_ref / t_fast:7.2f}")
+    if "float32" in args.dtype and native.available():
+        rows += run_norm_act(args)
     print()
     for dtype_name in args.dtype:
         for kind in ("attention", "store_kv"):
             ratios = [r["speedup_vs_reference"] for r in rows if r["dtype"] == dtype_name and r["kind"] == kind]
             print(f"{dtype_name} {kind}: torch is {geomean(ratios):.2f}x the reference's speed (geomean)")
-    losses = [r for r in rows if r["speedup_vs_reference"] < 1.0]
+        ratios = [r["native_speedup_vs_torch"] for r in rows
+                  if r["dtype"] == dtype_name and "native_speedup_vs_torch" in r]
+        if ratios:
+            print(f"{dtype_name} attention: native decode is {geomean(ratios):.2f}x the torch path's speed "
+                  f"(geomean, {len(ratios)} cases with decodes)")
+    ratios = [r["speedup_vs_torch"] for r in rows if r["kind"] == "norm_act"]
+    if ratios:
+        print(f"float32 norm/act: native is {geomean(ratios):.2f}x the torch formulas' speed (geomean)")
+    timed = [r for r in rows if "speedup_vs_reference" in r]
+    losses = [r for r in timed if r["speedup_vs_reference"] < 1.0]
     winner = "torch" if not losses else "mixed"
-    print(f"auto on CPU -> {auto.name!r}; torch beats reference in {len(rows) - len(losses)}/{len(rows)} cases")
+    print(f"auto on CPU -> {auto.name!r}; torch beats reference in {len(timed) - len(losses)}/{len(timed)} cases")
     for r in losses:
         print(f"  reference faster: {r['case']} ({r['dtype']}) x{r['speedup_vs_reference']:.2f}")
     path = write_result("kernels_cpu", dict(threads=args.threads, auto_backend=auto.name, winner=winner,
-                                            shape=shape_of(args), rows=rows))
+                                            native=native.available(), shape=shape_of(args), rows=rows))
     print(f"wrote {path}")
+
+
+def run_norm_act(args) -> list[dict]:
+    """Native RMSNorm, fused add + RMSNorm and SiLU-and-mul against the torch formulas they replace."""
+    hidden, inter, eps = args.hidden, args.intermediate, 1e-5
+    print(f"\nfloat32 norm/act, hidden {hidden}, intermediate {inter}, {args.threads} thread(s); "
+          f"times in us; x torch = torch / native")
+    print(f"{'op':38} {'torch':>10} {'native':>9} {'x torch':>7} {'err':>8}")
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    rows = []
+    for tokens in (1, 64, 1024):
+        x, weight, residual = torch.randn(tokens, hidden), torch.randn(hidden), torch.randn(tokens, hidden)
+        gate_up = torch.randn(tokens, 2 * inter)
+        out, act = torch.empty_like(x), torch.empty(tokens, inter)
+        # The fused op works in place: on copies, so x and residual stay the torch formula's inputs.
+        x2, residual2 = x.clone(), residual.clone()
+        native.fused_add_rms_norm(x2, residual2, weight, eps)
+        native.rms_norm(out, x, weight, eps)
+        native.silu_and_mul(act, gate_up)
+        cases = {
+            "rms_norm": (lambda: rms(x, weight), lambda: native.rms_norm(out, x, weight, eps),
+                         max_error(out, rms(x, weight))),
+            "fused_add_rms_norm": (lambda: rms(x + residual, weight),
+                                   lambda: native.fused_add_rms_norm(x2, residual2, weight, eps),
+                                   max_error(x2, rms(x + residual, weight))),
+            "silu_and_mul": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                             lambda: native.silu_and_mul(act, gate_up),
+                             max_error(act, F.silu(gate_up[:, :inter]) * gate_up[:, inter:])),
+        }
+        for op, (torch_fn, native_fn, err) in cases.items():
+            t = time_interleaved({"torch": torch_fn, "native": native_fn}, min_time_s=args.min_time)
+            name = f"{op} {tokens} tokens"
+            rows.append(dict(kind="norm_act", case=name, dtype="float32", torch_us=t["torch"] * 1e6,
+                             native_us=t["native"] * 1e6, speedup_vs_torch=t["torch"] / t["native"],
+                             max_error=err))
+            print(f"{name:38} {t['torch'] * 1e6:10.1f} {t['native'] * 1e6:9.1f} "
+                  f"{t['torch'] / t['native']:7.2f} {err:8.1e}", flush=True)
+    return rows
 
 
 def shape_of(args) -> dict:
@@ -250,6 +323,8 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=576, help="CPU norm/act: hidden size")
+    p.add_argument("--intermediate", type=int, default=1536, help="CPU norm/act: MLP intermediate size")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="device memory bandwidth (H200: 4800)")
     p.add_argument("--batches", default="1,8,32,64,256", help="CUDA decode batch sizes")

@@ -1,6 +1,8 @@
 """Fast CPU paged attention: the reference's semantics, batched and without host syncs.
 
-Decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
+float32 decodes run in the native C kernel (kernels/native.py) when it is available: it reads K/V
+in place through the block tables, where the torch path below copies them out first. Otherwise,
+decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
 for one group is sorted by context length first, so groups pad little); each group is one block
 gather plus one scaled_dot_product_attention call
 with the query heads of a KV head laid out as that head's "query positions" (GQA without copying
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.metadata import AttentionMetadata
 
 # Bytes of gathered K+V per decode group. Measured on a 2-core Zen 4: one big batched gather spills
@@ -39,19 +42,33 @@ def decode_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype."""
+                    scale: float, *, use_native: bool = True) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype.
+
+    use_native=False keeps float32 decodes on the torch path (tests and benchmarks compare them).
+    """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
     starts = [0]
     for q_len in metadata.query_lens_cpu:
         starts.append(starts[-1] + q_len)
     decodes = [b for b, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
-    if decodes:
+    if decodes and use_native and _native_decode(query, kv_cache):
+        if not query[0].is_contiguous():  # strided rows are fine, strided heads are not
+            query = query.contiguous()
+        # One call for the whole batch: the kernel skips the prefills, written below.
+        native.paged_decode_attention(out, query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                      metadata.query_start_loc, scale)
+    elif decodes:
         _decode(query, kv_cache, metadata, scale, out, starts, decodes)
     for b, q_len in enumerate(metadata.query_lens_cpu):
         if q_len > 1:
             _prefill(query, kv_cache, metadata, scale, out, starts[b], q_len, b)
     return out
+
+
+def _native_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (query.dtype == torch.float32 and kv_cache.dtype == torch.float32 and query.is_cpu
+            and kv_cache.is_contiguous() and native.available())
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels import cpu_linear, norm_act
 from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata
 from replicas.models.rotary import RotaryEmbedding, apply_rotary
@@ -61,17 +61,18 @@ def sliding_window_of(config) -> int | None:
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32 and scales in the model dtype, like the HF reference."""
+    """Normalises in float32 and scales in the model dtype, like the HF reference.
+
+    norm(x) -> y; norm(x, residual) -> (norm(x + residual), x + residual), fused on CPU.
+    """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device):
         super().__init__()
         self.weight = _weight(size, dtype=dtype, device=device)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return norm_act.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -117,8 +118,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(norm_act.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,9 +129,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, rotary, hidden, kv_cache, attn_metadata):
-        hidden = hidden + self.self_attn(rotary, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rotary, hidden, residual, kv_cache, attn_metadata):
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it).
+
+        The residual add is fused into the next norm; the first layer gets residual None.
+        """
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -145,11 +154,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb(positions)  # gathered once, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rotary, hidden, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rotary, hidden, residual, kv_cache, attn_metadata)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,52 @@
+"""RMSNorm (optionally fused with the residual add) and SiLU-and-mul: the torch formulas are the
+spec, the native CPU kernels (kernels/native.py) run them in one pass for float32 on CPU.
+
+A decoder layer spends ~10 small torch ops per token row on these (each a pass over memory plus
+dispatch overhead); one native call each is what vLLM's fused_add_rms_norm / silu_and_mul do.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+
+
+def _native(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and native.available()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalises in float32 and scales in the input dtype, like the HF Llama reference."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """rms_norm(x) -> y; with residual: (rms_norm(x + residual), x + residual).
+
+    The fused form may reuse x's and residual's storage for its two results.
+    """
+    if residual is None:
+        if _native(x) and weight.dtype == torch.float32:
+            out = torch.empty_like(x)
+            native.rms_norm(out, x, weight, eps)
+            return out
+        return rms_norm_reference(x, weight, eps)
+    if _native(x) and _native(residual) and weight.dtype == torch.float32:
+        native.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+    residual = x + residual
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] = [gate | up] -> silu(gate) * up."""
+    if _native(x):
+        out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype)
+        native.silu_and_mul(out, x)
+        return out
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

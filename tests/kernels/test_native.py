@@ -1,0 +1,252 @@
+"""The native C kernels against the torch references, their build cache, and their input checks."""
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native, reference, torch_attention
+from tests.kernels.kernel_cases import Case, assert_close
+
+if not native.available():
+    pytest.skip("native CPU kernels unavailable (no C compiler, or PAGEDSERVE_NATIVE=0)",
+                allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+# Ragged contexts: 1, block boundaries for every block size used below, long ones.
+CONTEXTS = [1, 2, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 599, 600]
+SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
+    (9, 3, 64, 16),  # the default model
+    (4, 4, 64, 16),  # MHA
+    (8, 2, 128, 16),
+    (6, 2, 64, 8),
+    (4, 1, 128, 32),
+    (4, 2, 80, 5),  # a head_dim without a specialised kernel
+    (2, 1, 256, 16),
+]
+
+
+def decode_rows(case: Case) -> torch.Tensor:
+    """Mask of the query rows that belong to decode sequences."""
+    lens = torch.tensor(case.metadata.query_lens_cpu)
+    return (lens == 1).repeat_interleave(lens)
+
+
+def run_native(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+    out = torch.full(case.query.shape, fill)
+    m = case.metadata
+    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                  case.scale)
+    return out
+
+
+@pytest.fixture
+def restore_available(monkeypatch):
+    """For tests that re-evaluate native.available() under an environment set with monkeypatch."""
+    native.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    native.available.cache_clear()
+    assert native.available()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_decode_matches_reference(shape):
+    heads, kv_heads, head_dim, block_size = shape
+    case = Case([(1, n) for n in CONTEXTS], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size)
+    cache = case.stored_cache(reference.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    assert_close(run_native(case, cache), expected, torch.float32)
+
+
+def test_mixed_batch_leaves_prefill_rows():
+    case = Case([(1, 40), (17, 17), (1, 1), (9, 64), (1, 200), (16, 32)], num_heads=9, num_kv_heads=3)
+    cache = case.stored_cache(reference.store_kv)
+    out = run_native(case, cache, fill=7.0)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    rows = decode_rows(case)
+    assert_close(out[rows], expected[rows], torch.float32)
+    assert torch.all(out[~rows] == 7.0)
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed_qkv"])
+def test_torch_attention_dispatch(use_native, packed):
+    case = Case([(1, 40), (17, 17), (1, 1), (9, 64), (1, 600), (16, 32), (1, 33)], num_heads=9,
+                num_kv_heads=3, packed=packed)
+    cache = case.stored_cache(torch_attention.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale,
+                                             use_native=use_native)
+    assert_close(actual, expected, torch.float32)
+
+
+def test_torch_attention_without_native(monkeypatch, restore_available):
+    monkeypatch.setenv("PAGEDSERVE_NATIVE", "0")
+    assert not native.available()
+    case = Case([(1, 40), (9, 64), (1, 200)], num_heads=6, num_kv_heads=2)
+    cache = case.stored_cache(torch_attention.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    assert_close(torch_attention.paged_attention(case.query, cache, case.metadata, case.scale),
+                 expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_seqs", [2, 5, 40])  # per-KV-head and per-sequence tasks
+def test_threads_agree(num_seqs):
+    case = Case([(1, 1 + 37 * i % 500) for i in range(num_seqs)], num_heads=9, num_kv_heads=3)
+    cache = case.stored_cache(reference.store_kv)
+    torch.set_num_threads(1)  # the autouse fixture restores the thread count
+    one = run_native(case, cache)
+    torch.set_num_threads(2)
+    two = run_native(case, cache)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 1000), (64, 576), (3, 1), (2, 5, 64)], ids=str)
+def test_rms_norm(shape):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(shape, generator=gen), torch.randn(shape[-1], generator=gen)
+    eps = 1e-5
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    out = torch.empty_like(x)
+    native.rms_norm(out, x, weight, eps)
+    assert_close(out, expected, torch.float32)
+
+    residual = torch.randn(shape, generator=gen)
+    new_residual = residual + x
+    expected = new_residual * torch.rsqrt(new_residual.pow(2).mean(-1, keepdim=True) + eps) * weight
+    x = x.clone()
+    native.fused_add_rms_norm(x, residual, weight, eps)
+    assert_close(residual, new_residual, torch.float32)
+    assert_close(x, expected, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 1536), (7, 1000), (64, 1536), (3, 1), (2, 5, 64)], ids=str)
+def test_silu_and_mul(shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 4
+    x.view(-1)[:8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 200.0, -200.0])[:x.numel()]
+    gate, up = x.split(shape[-1], dim=-1)
+    out = torch.empty(shape)
+    native.silu_and_mul(out, x)
+    assert_close(out, F.silu(gate) * up, torch.float32)
+
+
+def test_threads_agree_norm_act():
+    x, weight = torch.randn(300, 1000), torch.randn(1000)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out, act = torch.empty_like(x), torch.empty(300, 500)
+        native.rms_norm(out, x, weight, 1e-6)
+        native.silu_and_mul(act, x)
+        outs.append((out, act))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_one_openmp_runtime():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/maps")
+    # Loaded after torch, the library's libgomp.so.1 resolves to the runtime torch already loaded.
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
+
+
+def _python(code: str, cache: Path) -> str:
+    env = dict(os.environ, PAGEDSERVE_CACHE=str(cache))
+    env.pop("PAGEDSERVE_NATIVE", None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_build_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "a"))
+    built = native._build(native._compiler())
+    assert built.is_relative_to(tmp_path / "a")
+    stamp = built.stat().st_mtime_ns
+    # A fresh process finds that build and loads it without compiling.
+    loaded = _python("import torch\nfrom kernels import native\n"
+                     "native._compile = None  # calling it would fail\n"
+                     "assert native.available()\nprint(native.library_path())", tmp_path / "a")
+    assert Path(loaded) == built and built.stat().st_mtime_ns == stamp
+    # Another cache directory gets its own build.
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "b"))
+    other = native._build(native._compiler())
+    assert other.is_relative_to(tmp_path / "b") and other.exists()
+
+
+def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    compile_once, calls = native._compile, []
+
+    def counting_compile(*args):
+        calls.append(args)
+        compile_once(*args)
+
+    monkeypatch.setattr(native, "_compile", counting_compile)
+    paths = []
+    builders = [threading.Thread(target=lambda: paths.append(native._build(native._compiler())))
+                for _ in range(3)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join()
+    assert len(calls) == 1 and len(set(paths)) == 1 and len(paths) == 3
+
+
+def test_failed_build_warns_and_falls_back(tmp_path, monkeypatch, caplog, restore_available):
+    compiler = tmp_path / "broken-cc"
+    compiler.write_text("#!/bin/sh\necho 'this compiler is broken' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    assert not native.available()
+    assert "this compiler is broken" in caplog.text
+
+
+def test_bad_inputs_raise():
+    case = Case([(1, 20), (3, 3), (1, 40)], num_heads=4, num_kv_heads=2)
+    m, q, cache = case.metadata, case.query, case.kv_cache
+    args = dict(out=torch.empty_like(q), query=q, kv_cache=cache, block_tables=m.block_tables,
+                seq_lens=m.seq_lens, query_start_loc=m.query_start_loc, scale=case.scale)
+    native.paged_decode_attention(**args)
+    bad = {
+        "query": [q.double(), q.to(torch.bfloat16), q.transpose(1, 2), q[:, :3]],
+        "out": [args["out"].double(), torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2),
+                torch.empty(q.shape[0] + 1, *q.shape[1:])],
+        "kv_cache": [cache.half(), cache.transpose(1, 2), cache[0], cache[:, :, :, :1]],
+        "block_tables": [m.block_tables.long(), m.block_tables.t(), m.block_tables[:2],
+                         torch.full_like(m.block_tables, cache.shape[1])],
+        "seq_lens": [m.seq_lens.long(), m.seq_lens[:2], torch.tensor([20, 3, 10_000], dtype=torch.int32),
+                     torch.tensor([0, 3, 40], dtype=torch.int32)],
+        "query_start_loc": [m.query_start_loc.long(), torch.tensor([0, 1, 4, 99], dtype=torch.int32),
+                            torch.tensor([0, 4, 1, 5], dtype=torch.int32)],
+    }
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError):
+                native.paged_decode_attention(**{**args, name: value})
+
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    for call in [lambda: native.rms_norm(torch.empty_like(x), x.double(), weight.double(), 1e-6),
+                 lambda: native.rms_norm(torch.empty(64, 4).t(), x, weight, 1e-6),
+                 lambda: native.rms_norm(torch.empty_like(x), x.t(), weight, 1e-6),
+                 lambda: native.rms_norm(torch.empty_like(x), x, torch.randn(32), 1e-6),
+                 lambda: native.rms_norm(torch.empty(4, 32), x, weight, 1e-6),
+                 lambda: native.fused_add_rms_norm(x, torch.randn(4, 32), weight, 1e-6),
+                 lambda: native.fused_add_rms_norm(x, torch.randn(64, 4).t(), weight, 1e-6),
+                 lambda: native.fused_add_rms_norm(x.half(), x.half(), weight, 1e-6),
+                 lambda: native.silu_and_mul(torch.empty(4, 32), x.double()),
+                 lambda: native.silu_and_mul(torch.empty(4, 31), x),
+                 lambda: native.silu_and_mul(torch.empty(3, 32), x),
+                 lambda: native.silu_and_mul(torch.empty(4, 32), torch.randn(64, 4).t())]:
+        with pytest.raises(ValueError):
+            call()
