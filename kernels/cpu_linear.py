@@ -1,43 +1,70 @@
-"""Linear layers on CPU: oneDNN with a weight packed once at load time, MKL for large batches.
+"""Linear layers on CPU, on a weight packed once at load time.
 
-Why (measured on a 2-core AVX2 EPYC, fp32): torch's default `F.linear` goes to MKL, which runs the
-skinny GEMMs of a decode step (2-64 rows) at 15-50 GFLOP/s on one thread and barely uses a second
-one; oneDNN on a prepacked weight runs them at 30-70 GFLOP/s on one thread and 85-155 on two (the
-49152-wide lm_head gains most; a whole SmolLM2 step at 4 rows: 58 ms vs 104). MKL stays for one
-row on one thread (its GEMV is ~8 % ahead there, but single-threaded: on two threads oneDNN is 25 %
-ahead) and from a few hundred rows on (prefill chunks, 5-15 % ahead), so both layouts are kept: on
-CPU the weights take twice the memory.
+Measured on a 2-core AVX2 EPYC, fp32, the 30 layers + lm_head of SmolLM2-135M per step, 1 thread:
 
-bf16 packing needs AVX-512 (or AVX-NE-CONVERT); where oneDNN refuses a weight it stays unpacked.
+    rows          1      4      16     64     256    1024
+    MKL         47 ms  101    144    303    912    3338
+    oneDNN      47     61     102    271    885    3550   (weight prepacked)
+    native      35     48      80    220    830    3179   (csrc/gemm.c, 16-column panels)
+
+MKL (torch's default) runs the skinny GEMMs of decode steps at a fraction of the FMA peak and
+barely uses a second thread; oneDNN on a prepacked weight is better; our register-blocked panel
+kernel is best at every size, so with it the projection keeps only its packed weight. Where it
+cannot run (no AVX2/FMA, no compiler) oneDNN's packing is used for 2-383 rows and MKL otherwise
+(both layouts kept); bf16 packing needs AVX-512, so bf16 weights stay on F.linear here.
 """
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 logger = logging.getLogger(__name__)
 
-# Rows from which MKL's sgemm beats the packed oneDNN kernel again (crossover measured at 256-512).
+# Without the native kernel: rows from which MKL beats oneDNN's packed kernel again (crossover
+# measured at 256-512), and one row on one thread, where MKL's GEMV is ~8 % ahead.
 MKL_MIN_ROWS = 384
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """[out, in] weight -> oneDNN's packed copy of it, or None where it does not apply."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+class PackedWeight(NamedTuple):
+    kind: str  # "native" (csrc/gemm.c panels) or "onednn"
+    tensor: torch.Tensor
+    out_features: int
+
+    @property
+    def replaces_weight(self) -> bool:
+        """Whether every call goes through the packed copy, so the plain weight can be freed."""
+        return self.kind == "native"
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """[out, in] weight -> its packed copy for the fastest kernel here, or None (F.linear)."""
+    if weight.device.type != "cpu":
+        return None
+    weight = weight.detach()
+    if weight.dtype == torch.float32 and native.linear_available():
+        return PackedWeight("native", native.pack_linear_weight(weight), weight.shape[0])
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-    except RuntimeError as e:  # e.g. bf16 without AVX-512: F.linear it is
+        return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(weight, 64), weight.shape[0])
+    except RuntimeError as e:  # e.g. bf16 without AVX-512
         logger.debug("oneDNN packing refused for %s weight: %s", weight.dtype, e)
         return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x, through the packed weight when it is faster."""
-    rows = x.shape[0]
-    if packed is None or rows >= MKL_MIN_ROWS or (rows == 1 and torch.get_num_threads() == 1):
+    """F.linear(x, weight, bias) for 2-D x, through the packed weight when there is one."""
+    if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.kind == "native":
+        return native.linear(x, packed.tensor, packed.out_features, bias)
+    rows = x.shape[0]
+    if rows >= MKL_MIN_ROWS or (rows == 1 and torch.get_num_threads() == 1):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")

@@ -47,6 +47,7 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
     2: (ValueError, "a decode sequence's seq_len is below 1 or beyond its block table"),
     3: (ValueError, "a block table entry used by a decode sequence is outside the KV cache"),
     4: (MemoryError, "out of memory for the attention scratch buffers"),
+    5: (RuntimeError, "this build has no such kernel (the packed GEMM needs AVX2 and FMA)"),
 }
 _F32 = torch.float32
 
@@ -154,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
         "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
         "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32],
+        "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
+        "pagedserve_linear_supported": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -270,3 +273,49 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     inter = shape[-1]
     lib.pagedserve_silu_and_mul(out.data_ptr(), x.data_ptr(), out.numel() // inter if inter else 0,
                                 inter, torch.get_num_threads())
+
+
+# Columns per packed weight panel (PANEL in csrc/gemm.c).
+LINEAR_PANEL = 16
+
+
+@functools.cache
+def linear_available() -> bool:
+    """Whether the packed-panel GEMM runs here (x86-64 with AVX2 and FMA)."""
+    return available() and bool(_lib.pagedserve_linear_supported())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] float32 weight -> [ceil(n / 16), k, 16] panels, zero-padded, for linear()."""
+    if not _fits(weight):
+        _explain(weight=weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out, in], got shape {list(weight.shape)}")
+    n, k = weight.shape
+    padded = torch.zeros((n + LINEAR_PANEL - 1) // LINEAR_PANEL * LINEAR_PANEL, k)
+    padded[:n] = weight
+    return padded.view(-1, LINEAR_PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [rows, k] (rows may be strided) . W^T (+ bias) -> [rows, n], W packed by pack_linear_weight."""
+    lib = _lib or _library()
+    if not (x.dtype is _F32 and x.is_cpu and _fits(packed)):
+        _explain(x=x.contiguous(), packed=packed)
+    if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] \
+            or packed.shape[2] != LINEAR_PANEL or packed.shape[0] * LINEAR_PANEL < n:
+        raise ValueError(f"x {list(x.shape)} does not fit packed weight {list(packed.shape)} with n={n}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        if not _fits(bias):
+            _explain(bias=bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape [{n}], got {list(bias.shape)}")
+    rows, k = x.shape
+    out = torch.empty(rows, n)
+    _check(lib.pagedserve_linear(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), rows, n, k,
+                                 torch.get_num_threads()))
+    return out

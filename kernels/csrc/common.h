@@ -12,6 +12,7 @@ enum {
     PS_BAD_SEQ_LEN = 2,
     PS_BAD_BLOCK_ID = 3,
     PS_OUT_OF_MEMORY = 4,
+    PS_UNSUPPORTED = 5,
 };
 
 /* A hint only: compilers without the builtin lose speed, not correctness. */

@@ -30,7 +30,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
         self.bias = _weight(out_features, dtype=dtype, device=device) if bias else None
-        self.packed: torch.Tensor | None = None  # set by LlamaForCausalLM.pack_weights
+        self.packed: cpu_linear.PackedWeight | None = None  # set by pack(), after loading
+
+    def pack(self) -> None:
+        self.packed = cpu_linear.pack(self.weight)
+        if self.packed is not None and self.packed.replaces_weight:  # keep one copy in memory
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear.linear(x, self.weight, self.packed, self.bias)
@@ -194,14 +199,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.tied_lm_head_packed: cpu_linear.PackedWeight | None = None
 
     def pack_weights(self) -> None:
-        """After loading, on CPU: give every projection (and lm_head) its prepacked oneDNN copy."""
+        """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.packed = cpu_linear.pack(module.weight)
-        self.lm_head_packed = cpu_linear.pack(self.lm_head.weight)
+                module.pack()
+        if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
+            self.tied_lm_head_packed = cpu_linear.pack(self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -209,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return cpu_linear.linear(hidden, self.lm_head.weight, self.lm_head_packed).float()
+        if self.tie_word_embeddings:
+            return cpu_linear.linear(hidden, self.lm_head.weight, self.tied_lm_head_packed).float()
+        return self.lm_head(hidden).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""

@@ -135,7 +135,8 @@ def test_load_weights_rejects_bad_checkpoints(tiny_model_dir):
     from safetensors.torch import load_file
 
     path = tiny_model_dir("llama")
-    model, _, _ = load_model(path, attention_backend="reference")
+    _, hf_config, _ = load_model(path, attention_backend="reference")
+    model = LlamaForCausalLM(hf_config, attention_backend="reference")  # not loaded, not packed
     weights = load_file(str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing weights: model.layers.1.self_attn.k_proj.weight"):
         model.load_weights((n, t) for n, t in weights.items()
@@ -163,7 +164,8 @@ def test_max_context_len_stops_at_a_sliding_window(config_class, fields, expecte
 def test_cpu_projections_run_on_packed_weights(tiny_model_dir):
     from replicas.models.llama import Linear
 
-    model, _, _ = load_model(tiny_model_dir("llama"), dtype="float32")
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
-    assert model.lm_head_packed is not None
+    for name in ("llama", "qwen2"):  # untied lm_head; tied lm_head and q/k/v biases
+        model, _, _ = load_model(tiny_model_dir(name), dtype="float32")
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed is not None for m in linears)
+        assert (model.tied_lm_head_packed is not None) == model.tie_word_embeddings
