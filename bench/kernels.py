@@ -2,7 +2,8 @@
 
     python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V);
                                       float32: the native C decode kernel vs the torch decode path,
-                                      native RMSNorm / SiLU-and-mul vs their torch formulas
+                                      native RMSNorm / SiLU-and-mul vs their torch formulas,
+                                      a step's projections: native GEMM vs MKL vs oneDNN
     python -m bench.kernels           CUDA: Triton vs reference (correctness), decode KV bandwidth
                                       and prefill TFLOP/s, SDPA (flash) on contiguous K/V as baseline
 
@@ -171,6 +172,8 @@ def run_cpu(args) -> None:
             print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>9} {'':>8} {t_ref / t_fast:7.2f}")
     if "float32" in args.dtype and native.available():
         rows += run_norm_act(args)
+    if "float32" in args.dtype:
+        rows += run_linear(args)
     print()
     for dtype_name in args.dtype:
         for kind in ("attention", "store_kv"):
@@ -184,6 +187,11 @@ def run_cpu(args) -> None:
     ratios = [r["speedup_vs_torch"] for r in rows if r["kind"] == "norm_act"]
     if ratios:
         print(f"float32 norm/act: native is {geomean(ratios):.2f}x the torch formulas' speed (geomean)")
+    for baseline in ("mkl", "onednn"):
+        ratios = [r[f"native_speedup_vs_{baseline}"] for r in rows if f"native_speedup_vs_{baseline}" in r]
+        if ratios:
+            print(f"float32 projections: native is {geomean(ratios):.2f}x {baseline}'s speed "
+                  f"(geomean over {len(ratios)} row counts)")
     timed = [r for r in rows if "speedup_vs_reference" in r]
     losses = [r for r in timed if r["speedup_vs_reference"] < 1.0]
     winner = "torch" if not losses else "mixed"
@@ -233,6 +241,49 @@ def run_norm_act(args) -> list[dict]:
                              max_error=err))
             print(f"{name:38} {t['torch'] * 1e6:10.1f} {t['native'] * 1e6:9.1f} "
                   f"{t['torch'] / t['native']:7.2f} {err:8.1e}", flush=True)
+    return rows
+
+
+def run_linear(args) -> list[dict]:
+    """A whole step's projections (every layer's q/k/v, o, gate/up, down with its own weights, so
+    they stream from memory as in the model, plus lm_head): MKL's F.linear, oneDNN on prepacked
+    weights, and the native packed-panel GEMM, at decode-to-prefill row counts."""
+    q_size = args.heads * args.head_dim
+    shapes = [(q_size + 2 * args.kv_heads * args.head_dim, args.hidden), (args.hidden, q_size),
+              (2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
+    weights = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes]
+    weights.append(torch.randn(args.vocab, args.hidden))
+    contenders = {"mkl": lambda x, w, p: F.linear(x, w),
+                  "onednn": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p["onednn"], None,
+                                                                              "none", [], "")}
+    packs = [{"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 64)} for w in weights]
+    if native.linear_available():
+        contenders["native"] = lambda x, w, p: native.linear(x, p["native"], w.shape[0])
+        for w, p in zip(weights, packs):
+            p["native"] = native.pack_linear_weight(w)
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"\nfloat32 projections of one step ({args.layers} layers + lm_head, "
+          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s); ms per step and GFLOP/s")
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders) + f" {'x mkl':>7} {'x onednn':>8}")
+    rows = []
+    for count in [1, 4, 16, 64, 256] + ([] if args.quick else [1024]):
+        xs = {k: torch.randn(count, k) for k in {w.shape[1] for w in weights}}
+
+        def step(fn):
+            return lambda: [fn(xs[w.shape[1]], w, p) for w, p in zip(weights, packs)]
+
+        t = time_interleaved({name: step(fn) for name, fn in contenders.items()}, min_time_s=args.min_time,
+                             max_rounds=5)
+        row = dict(kind="linear", case=f"{count} rows", dtype="float32",
+                   **{f"{name}_ms": s * 1e3 for name, s in t.items()},
+                   **{f"{name}_gflops": count * flops_per_row / s / 1e9 for name, s in t.items()})
+        best = t.get("native")
+        if best:
+            row.update(native_speedup_vs_mkl=t["mkl"] / best, native_speedup_vs_onednn=t["onednn"] / best)
+        rows.append(row)
+        print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
+              + (f" {row['native_speedup_vs_mkl']:7.2f} {row['native_speedup_vs_onednn']:8.2f}" if best else ""),
+              flush=True)
     return rows
 
 
@@ -325,6 +376,8 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=576, help="CPU norm/act: hidden size")
     p.add_argument("--intermediate", type=int, default=1536, help="CPU norm/act: MLP intermediate size")
+    p.add_argument("--layers", type=int, default=30, help="CPU projections: decoder layers per step")
+    p.add_argument("--vocab", type=int, default=49152, help="CPU projections: lm_head rows")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="device memory bandwidth (H200: 4800)")
     p.add_argument("--batches", default="1,8,32,64,256", help="CUDA decode batch sizes")
