@@ -129,7 +129,7 @@ def main() -> None:
               f"peak RSS {r['peak_rss_mb']:.0f} MB)")
     summary = {"config": vars(args), "results": results}
     if args.peers:
-        summary.update(run_peers(args, results))
+        summary.update(run_peers(args, results, plot_name="offline_throughput"))
     if "pagedserve" in results and "transformers" in results:
         ratio = results["pagedserve"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         summary["ratio_vs_transformers"] = ratio

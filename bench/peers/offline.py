@@ -3,7 +3,8 @@
 Same seeded workload (bench.offline_throughput.workload), same model, dtype and thread count; each
 system runs in its own process, vLLM in its own virtual environment (bench/peers/setup_vllm.sh).
 Then a decode-heavy run at the largest batch (max_num_seqs requests at once) gives model FLOPs
-utilization against the machine's fp32 GEMM peak, measured here with a large torch.mm.
+utilization against the machine's fp32 GEMM peak, measured here with a large torch.mm. Writes
+bench/results/offline_peers.json and a bar chart of both, offline_peers.png.
 
     python -m bench.peers.offline [--num-requests 32] [--threads 2] [--peers vllm,vllm-bf16,transformers-cb]
 
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import RESULTS_DIR, write_result
 from bench.peers.vllm_env import run_in_vllm
 
 VLLM_OFFLINE = Path(__file__).resolve().parent / "vllm_offline.py"
@@ -227,16 +228,44 @@ def run_largest_batch(args) -> dict:
             "results": results, "mfu": mfu}
 
 
-def run_peers(args, results: dict) -> dict:
+def run_peers(args, results: dict, plot_name: str = "offline_peers") -> dict:
     """Run the peers (args.peers, comma-separated) on the workload of `args` and add them to
     `results` (systems already there are kept), then the largest-batch MFU runs; print the ratio and
-    MFU tables; return what goes into the benchmark's JSON."""
+    MFU tables, plot both to bench/results/<plot_name>.png; return what goes into the JSON."""
     peers = [s for s in args.peers.split(",") if s and s not in results]
     measure(args, peers, build_workload(args), results)
     summary = {"ratios": ratio_table(results)}
     if args.mfu_systems:
         summary["largest_batch"] = run_largest_batch(args)
+    png = plot(args, results, summary.get("largest_batch"), RESULTS_DIR / f"{plot_name}.png")
+    if png:
+        print("wrote", png)
     return summary
+
+
+def plot(args, results: dict, largest_batch: dict | None, path: Path) -> Path | None:
+    """Output tok/s of every system on the workload; MFU at the largest batch when measured."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return None
+    panels = [("output tok/s", {s: r["tokens_per_s"] for s, r in results.items()})]
+    if largest_batch:
+        panels.append((f"MFU at {args.max_num_seqs} sequences (% of the fp32 GEMM peak)",
+                       {s: 100 * m["mfu"] for s, m in largest_batch["mfu"].items()}))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (title, values) in zip(axes.flat, panels):
+        bars = ax.bar(list(values), list(values.values()))
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(title)
+    fig.suptitle(f"offline, {args.num_requests} requests, {args.dtype}, {args.threads} thread(s), same machine")
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
 
 
 def report(system: str, r: dict, note: str = "") -> None:
