@@ -33,7 +33,7 @@ from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.replica_stream import ReplicaStream, map_replica_error, merge_streams
+from serve_app.replica_stream import ReplicaStream, as_own_call, map_replica_error, merge_streams
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,10 @@ class Ingress:
     async def _start(self, requests: list[GenerateRequest]) -> list[ReplicaStream]:
         """Send every prompt to a replica and wait for each first delta (errors surface here)."""
         send = self.replica_stream.generate.remote
-        started = [ReplicaStream(functools.partial(send, r), self._map_error) for r in requests]
+        calls = [functools.partial(send, r) for r in requests]
+        if len(calls) > 1:
+            calls = [as_own_call(call, i) for i, call in enumerate(calls)]
+        started = [ReplicaStream(call, self._map_error) for call in calls]
         results = await asyncio.gather(*(s.prime() for s in started), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:

@@ -94,6 +94,23 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
     return errors.internal_error(cause)
 
 
+def as_own_call(send: Callable[[], Any], index: int) -> Callable[[], Any]:
+    """send, made under a request id of its own: for one HTTP request that fans out to several
+    replica calls (a prompt list). Ray Serve 2.60's router indexes pending calls by the request's
+    internal id and skips an id it already holds, so a second concurrent call under the same id
+    could wait for a replica forever. Our own cancel paths (ReplicaStream.cancel) still cover a
+    client disconnect, which Ray would otherwise propagate by that id."""
+    def call():
+        import dataclasses
+
+        from ray.serve import context
+        parent = context._get_serve_request_context()
+        context._serve_request_context.set(dataclasses.replace(
+            parent, _internal_request_id=f"{parent._internal_request_id or 'call'}-{index}"))
+        return send()  # in prime()'s own task, so the new id stays with this call
+    return call
+
+
 def _cancel_quietly(generator) -> None:
     try:
         generator.cancel()

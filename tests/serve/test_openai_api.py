@@ -200,3 +200,13 @@ def test_docs_and_openapi(http):
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
             "/detokenize", "/health"} <= set(paths)
+
+
+def test_prompt_lists_never_wait_on_a_shared_request_id(client, offline_llm):
+    # Each prompt of a list is its own replica call; under one shared request id Ray's router
+    # could leave one of them unrouted forever (seen as a 60 s timeout). Repeat to hit the race.
+    expected = [greedy(offline_llm, p, 3).outputs[0].text for p in PROMPTS]
+    for _ in range(8):
+        result = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=3,
+                                           temperature=0, timeout=30)
+        assert [c.text for c in sorted(result.choices, key=lambda c: c.index)] == expected

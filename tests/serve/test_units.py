@@ -125,3 +125,27 @@ def test_logprob_shapes():
     assert completion.top_logprobs == [{"a": -0.1, "b": -2.0}]
     chat = fmt.chat([6], [{6: Logprob(-2.0, 2, "b"), 5: Logprob(-0.1, 1, "a")}])
     assert chat.content[0].token == "b" and [t.token for t in chat.content[0].top_logprobs] == ["a", "b"]
+
+
+def test_fanned_out_calls_each_get_their_own_request_id():
+    from ray.serve import context
+
+    from serve_app.replica_stream import as_own_call
+
+    seen = []
+
+    def send():
+        seen.append(context._get_serve_request_context()._internal_request_id)
+
+    async def main():
+        context._serve_request_context.set(context._RequestContext(_internal_request_id="parent"))
+        calls = [as_own_call(send, i) for i in range(3)]
+
+        async def run(call):
+            call()
+
+        await asyncio.gather(*(run(c) for c in calls))
+        return context._get_serve_request_context()._internal_request_id
+
+    assert asyncio.run(main()) == "parent"  # the parent's own id is untouched
+    assert sorted(seen) == ["parent-0", "parent-1", "parent-2"]
