@@ -1,13 +1,21 @@
-"""Helpers every benchmark shares: timing against a baseline, and writing results as JSON."""
+"""Helpers every benchmark shares: timing against a baseline, writing results as JSON, a port."""
 from __future__ import annotations
 
 import json
 import platform
+import socket
 import time
 from pathlib import Path
 from typing import Callable
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    """A localhost TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def time_call(fn: Callable[[], object], *, min_time_s: float = 0.2, max_reps: int = 50,

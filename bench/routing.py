@@ -19,12 +19,11 @@ import asyncio
 import json
 import os
 import random
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 
-from bench.common import write_result
+from bench.common import free_port, write_result
 from replicas.block_hash import block_hashes
 
 APP_NAME = "pagedserve"
@@ -106,12 +105,6 @@ def make_workload(args) -> list[Turn]:
                                  {"role": "user", "content": user}], arrival))
         arrival += rng.expovariate(args.rate)
     return workload
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def settings(args, model_dir: str, router: str) -> dict:

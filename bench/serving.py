@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,19 +23,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, write_result
+from bench.common import RESULTS_DIR, free_port, write_result
 from bench.peers.vllm_env import vllm_environ, vllm_python
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_SERVE = Path(__file__).resolve().parent / "peers" / "vllm_bench_serve.py"
 METRICS = ("ttft", "tpot", "itl")
 PERCENTILES = ("50", "99")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -18,13 +18,12 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from bench.common import write_result
+from bench.common import free_port, write_result
 
 
 def workload(args, vocab_size: int, special_ids: set[int]) -> list[tuple[list[int], int]]:
@@ -94,12 +93,6 @@ async def run_serving_round(base_url: str, model: str, requests) -> dict:
     ttfts = sorted(r[2] for r in results)
     return {"seconds": seconds, "output_tokens": sum(r[1] for r in results),
             "texts": [r[0] for r in results], "ttft_p50_s": ttfts[len(ttfts) // 2]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -6,7 +6,6 @@ replicas or need tiny queue limits deploy their own app next to it under another
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,18 +13,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from bench.common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-0123456789"
 MODEL_NAME = "tiny-llama"
 # Sized for tests: a small KV pool (the default would allocate a GiB per replica).
 ENGINE_ARGS = dict(served_model_name=MODEL_NAME, max_model_len=512, num_kv_blocks=256,
                    max_num_seqs=32, block_size=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):
