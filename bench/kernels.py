@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import time_call, time_interleaved, write_result
-from kernels import native, reference, torch_attention
+from kernels import native, norm_act, reference, torch_attention
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
 
@@ -209,9 +209,7 @@ def run_norm_act(args) -> list[dict]:
     print(f"\nfloat32 norm/act, hidden {hidden}, intermediate {inter}, {args.threads} thread(s); "
           f"times in us; x torch = torch / native")
     print(f"{'op':38} {'torch':>10} {'native':>9} {'x torch':>7} {'err':>8}")
-
-    def rms(x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    rms, silu_and_mul = norm_act.rms_norm_reference, norm_act.silu_and_mul_reference
 
     rows = []
     for tokens in (1, 64, 1024):
@@ -224,14 +222,13 @@ def run_norm_act(args) -> list[dict]:
         native.rms_norm(out, x, weight, eps)
         native.silu_and_mul(act, gate_up)
         cases = {
-            "rms_norm": (lambda: rms(x, weight), lambda: native.rms_norm(out, x, weight, eps),
-                         max_error(out, rms(x, weight))),
-            "fused_add_rms_norm": (lambda: rms(x + residual, weight),
+            "rms_norm": (lambda: rms(x, weight, eps), lambda: native.rms_norm(out, x, weight, eps),
+                         max_error(out, rms(x, weight, eps))),
+            "fused_add_rms_norm": (lambda: rms(x + residual, weight, eps),
                                    lambda: native.fused_add_rms_norm(x2, residual2, weight, eps),
-                                   max_error(x2, rms(x + residual, weight))),
-            "silu_and_mul": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                             lambda: native.silu_and_mul(act, gate_up),
-                             max_error(act, F.silu(gate_up[:, :inter]) * gate_up[:, inter:])),
+                                   max_error(x2, rms(x + residual, weight, eps))),
+            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: native.silu_and_mul(act, gate_up),
+                             max_error(act, silu_and_mul(gate_up))),
         }
         for op, (torch_fn, native_fn, err) in cases.items():
             t = time_interleaved({"torch": torch_fn, "native": native_fn}, min_time_s=args.min_time)

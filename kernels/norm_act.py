@@ -42,11 +42,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return rms_norm_reference(residual, weight, eps), residual
 
 
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] = [gate | up] -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] = [gate | up] -> silu(gate) * up."""
     if _native(x):
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype)
         native.silu_and_mul(out, x)
         return out
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_and_mul_reference(x)
