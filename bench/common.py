@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import socket
 import time
@@ -68,3 +69,11 @@ def write_result(name: str, payload: dict) -> Path:
                        "processor": platform.processor()}, **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def max_error(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()

@@ -1,0 +1,93 @@
+"""Native CPU ops other than attention, each against what it replaces, timed in the same run:
+RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, and a whole step's
+projections on the native packed-panel GEMM vs MKL (torch's F.linear) vs oneDNN on prepacked
+weights. Part of `python -m bench.kernels --cpu`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import max_error, time_interleaved
+from kernels import native, norm_act
+
+
+def run_norm_act(args) -> list[dict]:
+    """Native RMSNorm, fused add + RMSNorm and SiLU-and-mul against the torch formulas they replace."""
+    hidden, inter, eps = args.hidden, args.intermediate, 1e-5
+    print(f"\nfloat32 norm/act, hidden {hidden}, intermediate {inter}, {args.threads} thread(s); "
+          f"times in us; x torch = torch / native")
+    print(f"{'op':38} {'torch':>10} {'native':>9} {'x torch':>7} {'err':>8}")
+    rms, silu_and_mul = norm_act.rms_norm_reference, norm_act.silu_and_mul_reference
+
+    rows = []
+    for tokens in (1, 64, 1024):
+        x, weight, residual = torch.randn(tokens, hidden), torch.randn(hidden), torch.randn(tokens, hidden)
+        gate_up = torch.randn(tokens, 2 * inter)
+        out, act = torch.empty_like(x), torch.empty(tokens, inter)
+        # The fused op works in place: on copies, so x and residual stay the torch formula's inputs.
+        x2, residual2 = x.clone(), residual.clone()
+        native.fused_add_rms_norm(x2, residual2, weight, eps)
+        native.rms_norm(out, x, weight, eps)
+        native.silu_and_mul(act, gate_up)
+        cases = {
+            "rms_norm": (lambda: rms(x, weight, eps), lambda: native.rms_norm(out, x, weight, eps),
+                         max_error(out, rms(x, weight, eps))),
+            "fused_add_rms_norm": (lambda: rms(x + residual, weight, eps),
+                                   lambda: native.fused_add_rms_norm(x2, residual2, weight, eps),
+                                   max_error(x2, rms(x + residual, weight, eps))),
+            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: native.silu_and_mul(act, gate_up),
+                             max_error(act, silu_and_mul(gate_up))),
+        }
+        for op, (torch_fn, native_fn, err) in cases.items():
+            t = time_interleaved({"torch": torch_fn, "native": native_fn}, min_time_s=args.min_time)
+            name = f"{op} {tokens} tokens"
+            rows.append(dict(kind="norm_act", case=name, dtype="float32", torch_us=t["torch"] * 1e6,
+                             native_us=t["native"] * 1e6, speedup_vs_torch=t["torch"] / t["native"],
+                             max_error=err))
+            print(f"{name:38} {t['torch'] * 1e6:10.1f} {t['native'] * 1e6:9.1f} "
+                  f"{t['torch'] / t['native']:7.2f} {err:8.1e}", flush=True)
+    return rows
+
+
+def run_linear(args) -> list[dict]:
+    """A whole step's projections (every layer's q/k/v, o, gate/up, down with its own weights, so
+    they stream from memory as in the model, plus lm_head): MKL's F.linear, oneDNN on prepacked
+    weights, and the native packed-panel GEMM, at decode-to-prefill row counts."""
+    q_size = args.heads * args.head_dim
+    shapes = [(q_size + 2 * args.kv_heads * args.head_dim, args.hidden), (args.hidden, q_size),
+              (2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
+    weights = [torch.randn(n, k) for _ in range(args.layers) for n, k in shapes]
+    weights.append(torch.randn(args.vocab, args.hidden))
+    contenders = {"mkl": lambda x, w, p: F.linear(x, w),
+                  "onednn": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p["onednn"], None,
+                                                                              "none", [], "")}
+    packs = [{"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 64)} for w in weights]
+    if native.linear_available():
+        contenders["native"] = lambda x, w, p: native.linear(x, p["native"], w.shape[0])
+        for w, p in zip(weights, packs):
+            p["native"] = native.pack_linear_weight(w)
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"\nfloat32 projections of one step ({args.layers} layers + lm_head, "
+          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s); ms per step and GFLOP/s")
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders) + f" {'x mkl':>7} {'x onednn':>8}")
+    rows = []
+    for count in [1, 4, 16, 64, 256] + ([] if args.quick else [1024]):
+        xs = {k: torch.randn(count, k) for k in {w.shape[1] for w in weights}}
+
+        def step(fn):
+            return lambda: [fn(xs[w.shape[1]], w, p) for w, p in zip(weights, packs)]
+
+        t = time_interleaved({name: step(fn) for name, fn in contenders.items()}, min_time_s=args.min_time,
+                             max_rounds=5)
+        row = dict(kind="linear", case=f"{count} rows", dtype="float32",
+                   **{f"{name}_ms": s * 1e3 for name, s in t.items()},
+                   **{f"{name}_gflops": count * flops_per_row / s / 1e9 for name, s in t.items()})
+        best = t.get("native")
+        if best:
+            row.update(native_speedup_vs_mkl=t["mkl"] / best, native_speedup_vs_onednn=t["onednn"] / best)
+        rows.append(row)
+        print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
+              + (f" {row['native_speedup_vs_mkl']:7.2f} {row['native_speedup_vs_onednn']:8.2f}" if best else ""),
+              flush=True)
+    return rows
