@@ -1,4 +1,5 @@
-"""The batch description every attention backend reads. Built once per step by the model runner.
+"""The batch description every attention backend reads, and the KV cache layout they share.
+Built once per step by the model runner's InputBatch (replicas/input_batch.py).
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 = K, 1 = V). Token slot s lives at block s // block_size, offset s % block_size.
@@ -10,12 +11,25 @@ query_len == 1; prefill, chunked prefill and prefix-cache hits are all the same 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 
-@dataclass
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """Shape of one layer's KV cache tensor: the layout above, written once."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def kv_cache_bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers (K and V): what sizes the cache."""
+    per_layer = math.prod(kv_cache_shape(1, block_size, num_kv_heads, head_dim))
+    return per_layer * num_layers * dtype.itemsize
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     query_start_loc: torch.Tensor  # [batch + 1] int32
@@ -44,7 +58,7 @@ class AttentionMetadata:
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """From plain lists (tests and the model runner's slow path)."""
+        """From plain lists, token by token: the spec the runner's InputBatch is tested against."""
         slots = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s_len - q_len, s_len):

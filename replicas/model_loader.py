@@ -123,18 +123,3 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     logger.info("loaded %s (%s, %s, %d file(s)) in %.1f s", path.name, model_class.__name__,
                 str(torch_dtype).removeprefix("torch."), len(files), time.perf_counter() - start)
     return model, hf_config, torch_dtype
-
-
-def get_kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of one layer's KV cache tensor: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    from replicas.models.llama import head_dim_of
-    return (2, num_blocks, block_size, hf_config.num_key_value_heads, head_dim_of(hf_config))
-
-
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (K and V), for sizing the cache."""
-    shape = get_kv_cache_shape(hf_config, 1, block_size)
-    per_layer = 1
-    for dim in shape:
-        per_layer *= dim
-    return per_layer * hf_config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()

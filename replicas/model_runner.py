@@ -1,17 +1,19 @@
 """The data plane of one step: SchedulerOutput -> tensors -> model -> logits -> sampled tokens.
 
-The runner owns the model, the paged KV cache tensors and the sampler. It reads the scheduler's
-sequences but never mutates them.
+The runner owns the model, the paged KV cache tensors, the persistent input batch and the sampler.
+It reads the scheduler's sequences but never mutates them.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kernels import AttentionMetadata
+from kernels import kv_cache_bytes_per_block, kv_cache_shape
 from replicas.config import EngineConfig
+from replicas.input_batch import InputBatch
 from replicas.model_loader import load_model
 from replicas.outputs import PositionLogprobs
 from replicas.sampler import Sampler, compute_prompt_logprobs
@@ -50,17 +52,21 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, self.device)
+        # A sequence never holds more blocks than the model's context needs or the cache has.
+        max_blocks_per_seq = min(-(-self.model.max_context_len // self.block_size), self.num_blocks)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
+                                      max_blocks_per_seq, self.block_size, self.device)
         logger.info("kv cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**30)
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return kv_cache_bytes_per_block(self.block_size, self.num_kv_heads, self.head_dim,
+                                        self.num_layers, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -78,65 +84,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, block_tables = [], [], []
-        logits_rows, sampling_seqs = [], []
-        prompt_rows = []  # (seq, start position, first row, row count, next token ids)
-        bs = self.block_size
-        row = 0
-        for item in out.scheduled:
-            seq, start, n = item.seq, item.start, item.num_new_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            block_tables.append(table)
-            if (seq.sampling_params.prompt_logprobs is not None and seq.index == 0
-                    and start < seq.num_prompt_tokens - 1):
-                last = min(end, seq.num_prompt_tokens - 1)  # positions whose next token is a prompt token
-                prompt_rows.append((seq, start, row, last - start, seq.token_ids[start + 1:last + 1]))
-            row += n
-            if item.samples:
-                logits_rows.append(row - 1)
-                sampling_seqs.append(seq)
-
-        dev = self.device
-        width = max(len(t) for t in block_tables)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0] + _cumsum(query_lens), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
-                                      dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev),
-                            self.kv_caches, metadata)
-
-        prompt_logprobs = {}
-        for seq, start, first, count, next_ids in prompt_rows:
-            logits = self.model.compute_logits(hidden[first:first + count])
-            prompt_logprobs[seq.seq_id] = (start, compute_prompt_logprobs(
-                logits, next_ids, seq.sampling_params.prompt_logprobs))
-
-        if not sampling_seqs:
+        for seq in out.preempted:  # its blocks are gone; it rejoins with a new table
+            self.input_batch.release(seq.seq_id)
+        step = self.input_batch.prepare(out.scheduled)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
+        prompt_logprobs = self._prompt_logprobs(out, hidden, step.query_start_loc)
+        if not step.sampling_seqs:
             return RunnerOutput([], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
-        sampled = self.sampler(logits, sampling_seqs)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        sampled = self.sampler(logits, step.sampling_seqs)
         return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
 
     def release(self, seq_id: int) -> None:
+        """A finished or aborted sequence: free its input-batch row and its sampler state."""
+        self.input_batch.release(seq_id)
         self.sampler.release(seq_id)
 
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, query_start_loc: np.ndarray
+                         ) -> dict[int, tuple[int, list[PositionLogprobs]]]:
+        result = {}
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            num_logprobs = seq.sampling_params.prompt_logprobs
+            if num_logprobs is None or seq.index != 0:
+                continue
+            start = item.start
+            last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)  # next token is a prompt token
+            if start >= last:
+                continue
+            first = int(query_start_loc[i])
+            logits = self.model.compute_logits(hidden[first:first + last - start])
+            result[seq.seq_id] = (start, compute_prompt_logprobs(
+                logits, seq.token_ids[start + 1:last + 1], num_logprobs))
+        return result

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import cpu_linear, norm_act
 from kernels.backend import AttentionBackend, get_attention_backend
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, kv_cache_shape
 from replicas.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""
-        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     # HF projection -> (our fused projection, index of its rows in it)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

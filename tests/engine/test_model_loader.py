@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from replicas.model_loader import (cpu_has_native_bf16, get_kv_cache_shape, iterate_weights,
-                                   kv_cache_bytes_per_block, load_model, weight_files)
+from kernels import kv_cache_bytes_per_block, kv_cache_shape
+from replicas.model_loader import cpu_has_native_bf16, iterate_weights, load_model, weight_files
 from replicas.models import LlamaForCausalLM
 
 
@@ -99,6 +99,7 @@ def test_missing_weights_file(tiny_model_dir, tmp_path):
 def test_kv_cache_helpers(tiny_model_dir):
     path = tiny_model_dir("llama_head_dim")
     model, hf_config, _ = load_model(path, attention_backend="reference")
-    assert get_kv_cache_shape(hf_config, 10, 16) == model.kv_cache_shape(10, 16) == (2, 10, 16, 2, 32)
+    assert model.kv_cache_shape(10, 16) == kv_cache_shape(10, 16, 2, 32) == (2, 10, 16, 2, 32)
     # 2 layers * (K and V) * 16 slots * 2 heads * 32 dims * 2 bytes
-    assert kv_cache_bytes_per_block(hf_config, 16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
+    assert kv_cache_bytes_per_block(16, 2, 32, hf_config.num_hidden_layers, torch.bfloat16) \
+        == 2 * 2 * 16 * 2 * 32 * 2
