@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from replicas.kv_events import (DEFAULT_LOG_CAPACITY, AllBlocksCleared, BlockRemoved, BlockStored,
+                                KVEventLog)
 from replicas.sequence import Sequence
 
 
@@ -20,23 +22,17 @@ class Block:
     token_ids: tuple[int, ...] = ()  # kept to re-check a hash hit
 
 
-@dataclass(slots=True)
-class CacheEvent:
-    """What a router needs to mirror this replica's prefix cache."""
-    kind: str  # "stored" | "evicted"
-    block_hash: int
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_events: int = 100_000):
+                 max_events: int = DEFAULT_LOG_CAPACITY):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.events: list[CacheEvent] = []
-        self.max_events = max_events
+        # What `cached` did, for the router's mirror of it. Each change to `cached` is made before
+        # its event is logged: `kv_events.take_snapshot` relies on that order.
+        self.kv_events = KVEventLog(max_events)
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
 
@@ -105,10 +101,13 @@ class BlockManager:
         for block_id in computed_blocks:
             self._take(block_id)
             seq.block_table.append(block_id)
+        evicted: list[int] = []
         while len(seq.block_table) < self.blocks_needed(total):
-            block_id = self._pop_free()
+            block_id = self._pop_free(evicted)
             self._take(block_id)
             seq.block_table.append(block_id)
+        if evicted:  # one event for all this call evicted: a removal costs a hash, not an event
+            self.kv_events.append(BlockRemoved(evicted))
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, total)
         return True
@@ -131,12 +130,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
-            if block.block_hash is not None:
-                self._uncache(block)
-
-    def take_events(self) -> list[CacheEvent]:
-        events, self.events = self.events, []
-        return events
+            block.block_hash = None
+            block.token_ids = ()
+        self.cached.clear()
+        self.kv_events.append(AllBlocksCleared())
 
     # -- internals --------------------------------------------------------------------------
     def _num_tokens_after(self, seq: Sequence, num_new_tokens: int, computed_blocks) -> int:
@@ -148,35 +145,36 @@ class BlockManager:
             del self.free_queue[block_id]
         block.ref_count += 1
 
-    def _pop_free(self) -> int:
+    def _pop_free(self, evicted: list[int]) -> int:
         block_id = next(iter(self.free_queue))  # LRU head; _take removes it
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            self._uncache(block)
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
+            block.block_hash = None
+            block.token_ids = ()
         return block_id
-
-    def _uncache(self, block: Block) -> None:
-        if self.cached.get(block.block_hash) == block.block_id:
-            del self.cached[block.block_hash]
-            self._emit("evicted", block.block_hash)
-        block.block_hash = None
-        block.token_ids = ()
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         num_full = min(num_tokens // self.block_size, len(seq.block_hashes))
+        stored: list[int] = []  # the current run of consecutive blocks stored: one event each run
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.block_hash is not None:
-                continue
             block_hash = seq.block_hashes[i]
-            if block_hash in self.cached:  # the same content already lives elsewhere
+            # Already cached, or the same content already lives elsewhere: the run breaks.
+            if block.block_hash is not None or block_hash in self.cached:
+                self._log_stored(seq, i - len(stored), stored)
+                stored = []
                 continue
             block.block_hash = block_hash
             block.token_ids = tuple(seq.block_tokens(i))
             self.cached[block_hash] = block.block_id
-            self._emit("stored", block_hash)
+            stored.append(block_hash)
+        self._log_stored(seq, num_full - len(stored), stored)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
-    def _emit(self, kind: str, block_hash: int) -> None:
-        if len(self.events) < self.max_events:  # nobody reading: don't grow without bound
-            self.events.append(CacheEvent(kind, block_hash))
+    def _log_stored(self, seq: Sequence, first: int, block_hashes: list[int]) -> None:
+        if block_hashes:
+            parent = seq.block_hashes[first - 1] if first else None
+            self.kv_events.append(BlockStored(block_hashes, parent))

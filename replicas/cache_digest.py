@@ -1,30 +1,28 @@
-"""What a replica publishes for the router and the autoscaler: its cached prefix and its queue.
+"""What a replica publishes for the router and the autoscaler: its prefix cache and its queue.
 
-The routing digest is a full snapshot of the block manager's cached block hashes (free-but-still-
-cached blocks included: they are still hits) plus the queue depth. A snapshot rather than a stream
-of stored/evicted events because at our sizes it is small (a replica caches at most a few thousand
-to tens of thousands of blocks: 8 bytes a hash, sent about once a second) and it is exact and
-self-healing: nothing to lose, reorder or replay when a report is dropped or a router restarts.
-Past `max_hashes` the most recently stored blocks are kept.
+The routing digest carries the block manager's KV-cache event stream (`replicas.kv_events`): the
+stored/removed/cleared events of the last few seconds, numbered, and a full snapshot of the cached
+block hashes (free-but-still-cached blocks included: they are still hits) only when a reader may
+need one to resync. Events rather than a snapshot every second because the cost then follows the
+churn (a few hundred blocks a second) instead of the cache size (tens to hundreds of thousands of
+blocks), and Ray Serve copies, hashes and re-broadcasts every digest to every router; and since
+the snapshot is rare it need not be capped, so the router's mirror is exact at any cache size.
 
-Pure Python: no torch, no ray. The deployment shim calls `routing_stats` / `autoscaling_stats`.
+Pure Python: no torch, no ray. The deployment shim calls `RoutingReporter.report` and
+`autoscaling_stats`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable
 
-DIGEST_VERSION = 1
-MAX_DIGEST_HASHES = 1 << 16
+from replicas.kv_events import KVEventPublisher
+
+DIGEST_VERSION = 2  # 1 was a snapshot of up to 65,536 hashes in every digest
 # Above this KV-cache usage, running sequences start to count as queued: a nearly full cache admits
 # nothing new and starts preempting, so more replicas are needed before anything waits.
 KV_PRESSURE_START = 0.9
-
-
-class _BlockManagerLike(Protocol):
-    block_size: int
-    cached: dict[int, int]
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,43 +49,34 @@ class QueueDepth:
                    float(stats.get("kv_cache_usage", 0.0)))
 
 
-def cached_block_hashes(block_manager: _BlockManagerLike, max_hashes: int = MAX_DIGEST_HASHES
-                        ) -> list[int]:
-    """A snapshot of the cached hashes, newest last. The engine steps in another thread, so copy
-    the dict in one C-level call and retry if it changed size under us."""
-    for _ in range(8):
-        try:
-            hashes = list(block_manager.cached)
-            break
-        except RuntimeError:  # "dictionary changed size during iteration"
-            continue
-    else:
-        hashes = []
-    return hashes[-max_hashes:] if len(hashes) > max_hashes else hashes
+class RoutingReporter:
+    """`record_routing_stats()` of one AsyncEngine; any engine with `stats()` works (one without
+    `.engine.block_manager` has no prefix cache, and publishes its queue depth only). It holds the
+    stream's state, so a replica keeps one for its lifetime."""
 
+    def __init__(self, async_engine, *, wall_clock: Callable[[], float] = time.time, **publisher):
+        self.async_engine = async_engine
+        self.wall_clock = wall_clock
+        block_manager = getattr(getattr(async_engine, "engine", None), "block_manager", None)
+        self.block_size = getattr(block_manager, "block_size", None)
+        self.publisher = (KVEventPublisher(block_manager, **publisher) if block_manager is not None
+                          else None)
 
-def build_digest(block_manager: _BlockManagerLike | None, stats: dict[str, Any], *,
-                 now: float | None = None, max_hashes: int = MAX_DIGEST_HASHES) -> dict[str, Any]:
-    """The routing-stats dict: plain types only (it travels through Ray Serve's controller).
-    Without a block manager (an engine with no prefix cache) it carries the queue depth only."""
-    depth = QueueDepth.from_stats(stats)
-    return {
-        "version": DIGEST_VERSION,
-        "time": time.time() if now is None else now,  # wall clock: routers compare it with theirs
-        "block_size": getattr(block_manager, "block_size", None),
-        "block_hashes": cached_block_hashes(block_manager, max_hashes) if block_manager else [],
-        "num_waiting": depth.num_waiting,
-        "num_running": depth.num_running,
-        "kv_cache_usage": depth.kv_cache_usage,
-        "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
-    }
-
-
-def routing_stats(async_engine) -> dict[str, Any]:
-    """For `record_routing_stats()`: the digest of an AsyncEngine; any engine with `stats()` works
-    (one without `.engine.block_manager` publishes no hashes)."""
-    block_manager = getattr(getattr(async_engine, "engine", None), "block_manager", None)
-    return build_digest(block_manager, async_engine.stats())
+    def report(self, *, force_snapshot: bool = False) -> dict[str, Any]:
+        """The routing-stats dict: plain types only (it travels through Ray Serve's controller)."""
+        stats = self.async_engine.stats()
+        depth = QueueDepth.from_stats(stats)
+        return {
+            "version": DIGEST_VERSION,
+            "time": self.wall_clock(),  # wall clock: routers compare it with theirs
+            "block_size": self.block_size,
+            "kv_events": (self.publisher.report(force_snapshot=force_snapshot)
+                          if self.publisher else None),
+            "num_waiting": depth.num_waiting,
+            "num_running": depth.num_running,
+            "kv_cache_usage": depth.kv_cache_usage,
+            "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
+        }
 
 
 def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START) -> dict[str, float]:

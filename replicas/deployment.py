@@ -193,9 +193,14 @@ class EngineReplica:
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
     # -- routing and autoscaling signals ------------------------------------------------------
-    def record_routing_stats(self) -> dict:
-        """Ray Serve polls this for the request router: cached block hashes and queue depth."""
-        return {**cache_digest.routing_stats(self.engine), "replica_id": self.replica_id}
+    def record_routing_stats(self, snapshot: bool = False) -> dict:
+        """Ray Serve polls this (about once a second) for the request router: the queue depth and
+        the KV-cache events of the last few seconds, with a full snapshot of the cached block
+        hashes when a router may need one to resync. `snapshot=True` (tests, debugging) adds one."""
+        reporter = getattr(self, "_routing_reporter", None)
+        if reporter is None:  # made on first use: it is this method's state alone
+            reporter = self._routing_reporter = cache_digest.RoutingReporter(self.engine)
+        return {**reporter.report(force_snapshot=snapshot), "replica_id": self.replica_id}
 
     def record_autoscaling_stats(self) -> dict:
         """Ray Serve window-averages this for the autoscaling policy (`queue_depth`)."""

@@ -1,2 +1,3 @@
 """Prefix-cache-affinity routing: `router.PrefixAffinityRouter` (the Ray Serve RequestRouter) over
-pure parts: `prefix_index`, `load`, `policy`, `router_state`. Importing this package pulls no Ray."""
+pure parts: `cache_mirror`, `prefix_index`, `load`, `policy`, `router_state`. Importing this
+package pulls no Ray."""

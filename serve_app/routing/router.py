@@ -1,9 +1,9 @@
 """PrefixAffinityRouter: the Ray Serve `RequestRouter` on the ingress -> engine-replica handle.
 
-A thin shim over `RouterState`: each call reads the replicas' digests (`record_routing_stats`, via
-`RunningReplica.routing_stats`), ranks every live replica one per rank (Ray takes the first rank
-whose replica has room, so a full first choice falls through to the next), and keeps the
-bookkeeping in step through Ray's routed/completed callbacks.
+A thin shim over `RouterState`: it reads the replicas' digests (`record_routing_stats`, via
+`RunningReplica.routing_stats`) whenever Ray hands it the replica set, ranks every live replica one
+per rank (Ray takes the first rank whose replica has room, so a full first choice falls through to
+the next), and keeps the bookkeeping in step through Ray's routed/completed callbacks.
 
 The request's block hashes come from the handle call: a `block_hashes` keyword argument, or an
 argument that has a `block_hashes` attribute or key. Without them a request is routed by load.
@@ -41,6 +41,14 @@ class PrefixAffinityRouter(RequestRouter):
         self.state = RouterState(self.settings)
         self.metrics = RoutingMetrics(self._deployment_id.app_name, self._deployment_id.name)
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Ray re-broadcasts the replica set each time a replica's routing stats change, requests or
+        # not: reading every digest here keeps each replica's KV event stream gapless even while
+        # no request comes to read it (a digest holds only its last few seconds of events).
+        super().update_replicas(replicas)
+        if hasattr(self, "state"):
+            self._observe(replicas)
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
@@ -49,9 +57,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         live = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for replica_id, replica in live.items():
-            if self.state.observe(replica_id, replica.routing_stats):
-                self.metrics.record_load(replica_id, self.state.load(replica_id))
+        self._observe(candidate_replicas)
         self.state.retain(live)
         request_id = None
         block_hashes: list[int] = []
@@ -63,6 +69,12 @@ class PrefixAffinityRouter(RequestRouter):
             block_hashes = request_block_hashes(pending_request.args, pending_request.kwargs)
         decision = self.state.choose(request_id, block_hashes, live)
         return [[live[replica_id]] for replica_id in decision.ranked]
+
+    def _observe(self, replicas: list[RunningReplica]) -> None:
+        for replica in replicas:
+            replica_id = replica.replica_id.unique_id
+            if self.state.observe(replica_id, replica.routing_stats):
+                self.metrics.record_load(replica_id, self.state.load(replica_id))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:

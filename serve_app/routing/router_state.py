@@ -49,7 +49,7 @@ class RouterState:
         if report_time <= self._digest_time.get(replica_id, float("-inf")):
             return False
         self._digest_time[replica_id] = report_time
-        self.index.update(replica_id, digest.get("block_hashes", ()), report_time)
+        self.index.observe(replica_id, digest.get("kv_events"), report_time)
         self.loads.report(replica_id, QueueDepth.from_stats(digest).num_requests, report_time)
         self.hit_rates[replica_id] = float(digest.get("prefix_cache_hit_rate", 0.0))
         return True

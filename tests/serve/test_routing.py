@@ -71,8 +71,8 @@ def digests() -> dict[str, set[int]]:
     deadline = time.monotonic() + 20
     while len(seen) < 2:
         assert time.monotonic() < deadline, f"only {len(seen)} replicas answered"
-        digest = handle.record_routing_stats.remote().result()
-        seen[digest["replica_id"]] = set(digest["block_hashes"])
+        digest = handle.record_routing_stats.remote(snapshot=True).result()
+        seen[digest["replica_id"]] = set(digest["kv_events"]["snapshot"]["block_hashes"])
     return seen
 
 

@@ -1,5 +1,6 @@
 from replicas.block_hash import block_hashes, hash_block, ROOT_HASH
 from replicas.block_manager import BlockManager
+from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
 
@@ -67,15 +68,13 @@ def test_lru_eviction_order_and_events():
     a = seq(range(8))  # 2 full blocks
     admit(bm, a)
     bm.free(a)
-    events = bm.take_events()
-    assert [e.kind for e in events] == ["stored", "stored"]
-    assert [e.block_hash for e in events] == a.block_hashes
+    assert bm.kv_events.since(0) == [BlockStored(a.block_hashes, None)]  # one run, from the root
     assert list(bm.free_queue) == [2, 3, 1, 0]
     b = seq(range(50, 59))  # needs 3 blocks: takes 2, 3 (never cached) then evicts 1 (a's tail)
     admit(bm, b)
     assert b.block_table == [2, 3, 1]
-    assert [(e.kind, e.block_hash) for e in bm.take_events()] == [
-        ("evicted", a.block_hashes[1]), ("stored", b.block_hashes[0]), ("stored", b.block_hashes[1])]
+    assert bm.kv_events.since(1) == [BlockRemoved([a.block_hashes[1]]),
+                                     BlockStored(b.block_hashes, None)]
     # a's first block survived eviction and still hits.
     blocks, cached = bm.get_computed_blocks(seq(range(6)))
     assert blocks == [0] and cached == 4
@@ -107,7 +106,7 @@ def test_prefix_caching_disabled():
     admit(bm, a)
     bm.free(a)
     assert bm.get_computed_blocks(seq(range(12))) == ([], 0)
-    assert bm.take_events() == []
+    assert bm.kv_events.next_seq == 0
 
 
 def test_hit_rate_counts_lookups():
@@ -115,3 +114,47 @@ def test_hit_rate_counts_lookups():
     bm.record_lookup(10, 0)
     bm.record_lookup(10, 8)
     assert bm.hit_rate == 0.4
+
+
+def test_stored_events_are_runs_named_by_their_parent():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = seq(range(8))
+    admit(bm, a)
+    b = seq(list(range(8)) + list(range(20, 29)))  # a's 2 blocks hit, then 2 new full blocks
+    admit(bm, b)
+    assert bm.kv_events.since(1) == [BlockStored(b.block_hashes[2:], b.block_hashes[1])]
+
+
+def test_a_block_cached_elsewhere_breaks_a_run():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = seq(range(13))  # 3 full blocks
+    admit(bm, a)
+    middle = a.block_table[1]
+    bm.free(a)
+    # LRU order never evicts a middle block alone (its tail goes first), so drop it by hand.
+    del bm.cached[bm.blocks[middle].block_hash]
+    bm.blocks[middle].block_hash = None
+    b = seq(list(range(13)) + [50, 51, 52, 53])  # hits block 0 only; block 2 lives on in a's copy
+    admit(bm, b)
+    h = b.block_hashes
+    assert bm.kv_events.since(1) == [BlockStored([h[1]], h[0]), BlockStored([h[3]], h[2])]
+
+
+def test_reset_clears_the_cache_in_one_event():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = seq(range(12))
+    admit(bm, a)
+    bm.reset_prefix_cache()
+    assert bm.cached == {} and all(b.block_hash is None for b in bm.blocks)
+    assert bm.kv_events.since(1) == [AllBlocksCleared()]
+    assert bm.get_computed_blocks(seq(range(12))) == ([], 0)
+
+
+def test_the_evictions_of_one_allocation_are_one_event():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = seq(range(16))
+    admit(bm, a)
+    bm.free(a)  # all four cached, tail first in the LRU queue
+    admit(bm, seq(range(50, 59)))  # 3 blocks: evicts a's last three
+    h = a.block_hashes
+    assert bm.kv_events.since(1)[0] == BlockRemoved([h[3], h[2], h[1]])

@@ -2,8 +2,8 @@ import pytest
 
 from replicas.block_hash import block_hashes
 from replicas.block_manager import BlockManager
-from replicas.cache_digest import (DIGEST_VERSION, QueueDepth, autoscaling_stats, build_digest,
-                                   cached_block_hashes, routing_stats)
+from replicas.cache_digest import DIGEST_VERSION, QueueDepth, RoutingReporter, autoscaling_stats
+from replicas.kv_events import KVSnapshot, wire_stream
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
 
@@ -18,30 +18,6 @@ def admitted(bm, tokens):
     return seq
 
 
-def test_digest_lists_cached_hashes_including_free_ones():
-    bm = BlockManager(num_blocks=8, block_size=BS)
-    seq = admitted(bm, range(10))
-    bm.free(seq)  # free but still cached: still a hit, so still published
-    stats = {"num_waiting": 2, "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
-    digest = build_digest(bm, stats, now=123.0)
-    assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
-                      "block_hashes": block_hashes(list(range(10)), BS), "num_waiting": 2,
-                      "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
-
-
-def test_digest_keeps_the_newest_hashes_past_the_cap():
-    bm = BlockManager(num_blocks=8, block_size=BS)
-    admitted(bm, range(12))
-    assert cached_block_hashes(bm, max_hashes=2) == block_hashes(list(range(12)), BS)[1:]
-
-
-def test_queue_depth_counts_kv_pressure_as_queued():
-    assert QueueDepth(3, 8, 0.5).autoscaling_depth(0.9) == 3
-    assert QueueDepth(3, 8, 0.95).autoscaling_depth(0.9) == pytest.approx(3 + 4)
-    assert QueueDepth(3, 8, 1.0).autoscaling_depth(0.9) == pytest.approx(11)
-    assert QueueDepth(3, 8, 1.0).num_requests == 11
-
-
 class FakeAsyncEngine:
     def __init__(self, bm, stats):
         self.engine = type("E", (), {"block_manager": bm})()
@@ -51,10 +27,40 @@ class FakeAsyncEngine:
         return dict(self._stats)
 
 
+def test_first_digest_snapshots_cached_hashes_including_free_ones():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = admitted(bm, range(10))
+    bm.free(seq)  # free but still cached: still a hit, so still published
+    stats = {"num_waiting": 2, "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
+    digest = RoutingReporter(FakeAsyncEngine(bm, stats), wall_clock=lambda: 123.0).report()
+    snapshot = KVSnapshot(1, block_hashes(list(range(10)), BS))
+    assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
+                      "kv_events": wire_stream(1, [], snapshot), "num_waiting": 2,
+                      "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
+
+
+def test_later_digests_carry_events_not_the_cache():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    reporter = RoutingReporter(FakeAsyncEngine(bm, {}))
+    admitted(bm, range(8))
+    reporter.report()
+    seq = admitted(bm, range(20, 28))
+    stream = reporter.report()["kv_events"]
+    assert stream["snapshot"] is None
+    assert stream["events"] == [(1, "BlockStored", seq.block_hashes, None)]
+
+
+def test_queue_depth_counts_kv_pressure_as_queued():
+    assert QueueDepth(3, 8, 0.5).autoscaling_depth(0.9) == 3
+    assert QueueDepth(3, 8, 0.95).autoscaling_depth(0.9) == pytest.approx(3 + 4)
+    assert QueueDepth(3, 8, 1.0).autoscaling_depth(0.9) == pytest.approx(11)
+    assert QueueDepth(3, 8, 1.0).num_requests == 11
+
+
 def test_stats_for_the_deployment_shim():
     bm = BlockManager(num_blocks=8, block_size=BS)
     engine = FakeAsyncEngine(bm, {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0})
-    assert routing_stats(engine)["num_running"] == 2
+    assert RoutingReporter(engine).report()["num_running"] == 2
     assert autoscaling_stats(engine) == {"queue_depth": 1.0}
 
 
@@ -71,5 +77,5 @@ def test_an_engine_without_a_block_manager_publishes_its_queue_only():
         def stats(self):
             return {"num_waiting": 0, "num_running": 3}
 
-    digest = routing_stats(Bare())
-    assert digest["block_hashes"] == [] and digest["num_running"] == 3
+    digest = RoutingReporter(Bare()).report()
+    assert digest["kv_events"] is None and digest["num_running"] == 3

@@ -1,4 +1,5 @@
 from replicas.block_hash import block_hashes
+from replicas.kv_events import BlockRemoved, KVSnapshot, encode_event, wire_stream
 from serve_app.routing.prefix_index import PrefixIndex
 
 BS = 4
@@ -6,10 +7,15 @@ A = block_hashes(list(range(16)), BS)  # 4 blocks
 B = block_hashes(list(range(100, 116)), BS)
 
 
+def snapshot(hashes, seq=0):
+    """A digest's stream that says: the replica holds exactly these."""
+    return wire_stream(seq, [], KVSnapshot(seq, list(hashes)))
+
+
 def test_match_counts_leading_blocks_per_replica():
     index = PrefixIndex()
-    index.update("r1", A[:3], report_time=1.0)
-    index.update("r2", A[:1] + B, report_time=1.0)
+    index.observe("r1", snapshot(A[:3]), report_time=1.0)
+    index.observe("r2", snapshot(A[:1] + B), report_time=1.0)
     assert index.match(A, ["r1", "r2", "r3"]) == {"r1": 3, "r2": 1, "r3": 0}
     assert index.match(B, ["r1", "r2"]) == {"r1": 0, "r2": 4}
     assert index.holders(A[0]) == {"r1", "r2"}
@@ -17,25 +23,27 @@ def test_match_counts_leading_blocks_per_replica():
 
 def test_a_hole_in_the_chain_ends_the_match():
     index = PrefixIndex()
-    index.update("r1", [A[0], A[2], A[3]], report_time=1.0)  # A[1] evicted
+    index.observe("r1", snapshot([A[0], A[2], A[3]]), report_time=1.0)  # A[1] evicted
     assert index.match(A, ["r1"]) == {"r1": 1}
 
 
-def test_digest_replaces_what_we_knew():
+def test_a_snapshot_replaces_what_we_knew_and_events_update_it():
     index = PrefixIndex()
-    index.update("r1", A, report_time=1.0)
-    index.update("r1", B, report_time=2.0)
+    index.observe("r1", snapshot(A), report_time=1.0)
+    index.observe("r1", snapshot(B, seq=5), report_time=2.0)
     assert index.match(A, ["r1"]) == {"r1": 0}
     assert index.match(B, ["r1"]) == {"r1": 4}
+    index.observe("r1", wire_stream(6, [encode_event(5, BlockRemoved([B[2]]))], None), 3.0)
+    assert index.match(B, ["r1"]) == {"r1": 2} and index.in_sync("r1")
 
 
 def test_optimistic_insert_survives_digests_until_its_ttl():
     index = PrefixIndex(optimistic_ttl_s=5.0)
     index.insert("r1", A, now=10.0)
     assert index.match(A, ["r1"]) == {"r1": 4}
-    index.update("r1", [], report_time=14.0)  # too soon to show a request sent at 10.0
+    index.observe("r1", snapshot([]), report_time=14.0)  # too soon to show a request sent at 10.0
     assert index.match(A, ["r1"]) == {"r1": 4}
-    index.update("r1", A[:2], report_time=15.0)  # by now it shows what really stayed
+    index.observe("r1", snapshot(A[:2]), report_time=15.0)  # by now it shows what really stayed
     assert index.match(A, ["r1"]) == {"r1": 2}
 
 
@@ -49,7 +57,7 @@ def test_remove_takes_back_only_that_insert():
 
 def test_retain_forgets_dead_replicas():
     index = PrefixIndex()
-    index.update("r1", A, report_time=1.0)
+    index.observe("r1", snapshot(A), report_time=1.0)
     index.insert("r2", B, now=1.0)
     index.retain(["r1"])
     assert index.replica_ids == {"r1"}

@@ -4,6 +4,7 @@ from collections import Counter
 
 from replicas.block_hash import block_hashes
 from replicas.cache_digest import DIGEST_VERSION
+from replicas.kv_events import BlockStored, KVSnapshot, encode_event, wire_stream
 from serve_app.routing.policy import (AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings,
                                       rendezvous_home)
 from serve_app.routing.router_state import RouterState
@@ -24,8 +25,11 @@ class Clock:
         return self.now
 
 
-def digest(t, hashes=(), waiting=0, running=0, hit_rate=0.0):
-    return {"version": DIGEST_VERSION, "time": t, "block_size": BS, "block_hashes": list(hashes),
+def digest(t, hashes=(), waiting=0, running=0, hit_rate=0.0, kv_events=None):
+    """A digest; by default its stream is a snapshot saying the replica holds exactly `hashes`."""
+    if kv_events is None:
+        kv_events = wire_stream(0, [], KVSnapshot(0, list(hashes)))
+    return {"version": DIGEST_VERSION, "time": t, "block_size": BS, "kv_events": kv_events,
             "num_waiting": waiting, "num_running": running, "kv_cache_usage": 0.0,
             "prefix_cache_hit_rate": hit_rate}
 
@@ -132,3 +136,22 @@ def test_dead_replicas_are_forgotten():
     assert d.ranked == ["r2"]
     assert s.hit_rates == {}
     assert s.index.replica_ids == {"r2"}
+
+
+def test_events_between_snapshots_drive_affinity_and_a_hole_waits_for_the_next_snapshot():
+    s, clock = state()
+    live = ["r1", "r2"]
+    hashes = block_hashes(prompt(0), BS)
+    stored = encode_event(0, BlockStored(hashes[:8], None))
+    s.observe("r1", digest(99.0))  # both start empty, no events yet
+    s.observe("r2", digest(99.0, kv_events=wire_stream(1, [stored], None)))
+    d = s.choose("q1", hashes, live)
+    assert (d.replica_id, d.reason, d.num_matched_blocks) == ("r2", AFFINITY, 8)
+    # r1's report skips events 0..4: a hole. What it says from 5 on is applied, but the index
+    # knows it is not exact until a snapshot comes.
+    later = encode_event(5, BlockStored(hashes[:2], None))
+    s.observe("r1", digest(100.0, kv_events=wire_stream(6, [later], None)))
+    assert not s.index.in_sync("r1") and s.index.in_sync("r2")
+    assert s.index.match(hashes, ["r1"]) == {"r1": 2}
+    s.observe("r1", digest(101.0, kv_events=wire_stream(6, [], KVSnapshot(6, hashes[:4]))))
+    assert s.index.in_sync("r1") and s.index.match(hashes, ["r1"]) == {"r1": 4}
