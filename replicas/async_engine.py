@@ -3,21 +3,29 @@
 engine.step() runs in a single worker thread (torch releases the GIL), so the event loop keeps
 accepting and streaming while the model computes. Only the loop touches the engine's state:
 new requests and aborts are queued and applied between steps.
+
+Two ways to receive a request's outputs: `generate()` (an async iterator; a consumer that fell
+behind gets its pending deltas as one output), or `add_request(..., on_output)`, a callback the
+loop calls with each output (and with the error if the request fails), for a caller that batches
+many requests' outputs itself.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine, PromptInput
+from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from replicas.request import Request
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+OnOutput = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -31,7 +39,7 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
         self.block_size = self.engine.block_size
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._receivers: dict[str, OnOutput] = {}
         self._pending: list[Request] = []
         self._aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
@@ -40,42 +48,43 @@ class AsyncEngine:
         self._error: BaseException | None = None
 
     # -- public -------------------------------------------------------------------------------
-    async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs. Raises ValueError before the first output for a bad request;
-        leaving the iteration early (or being cancelled) aborts the request and frees its blocks."""
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
+                    on_output: OnOutput) -> None:
+        """Validate (ValueError here, for a bad request) and queue a request; the loop calls
+        `on_output` with each of its outputs, or once with the error that ended it."""
         self._check_alive()
-        if request_id in self._streams:
+        if request_id in self._receivers:
             raise ValueError(f"request id {request_id!r} is already running")
         request = self.engine.make_request(request_id, prompt, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._receivers[request_id] = on_output
         self._pending.append(request)
         self._ensure_loop()
         self._wakeup.set()
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                while not stream.empty():  # outputs are cumulative: the newest supersedes the rest
-                    item = stream.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._aborts.append(request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
 
-    async def abort(self, request_id: str) -> None:
+    async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of the request's `output_kind`. Raises ValueError before the first
+        output for a bad request; leaving the iteration early (or being cancelled) aborts the
+        request and frees its blocks."""
+        params = params or SamplingParams()
+        queue = OutputQueue(aggregate=params.output_kind is RequestOutputKind.DELTA)
+        self.add_request(request_id, prompt, params, queue.put)
+        try:
+            async for output in queue:
+                yield output
+        finally:
+            if not queue.finished:
+                self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Stop a request between steps and free its blocks; its receiver hears nothing more."""
+        self._receivers.pop(request_id, None)
         self._aborts.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
 
     def stats(self) -> dict:
         stats = self.engine.stats()
@@ -115,10 +124,7 @@ class AsyncEngine:
                         await self._wakeup.wait()
                     continue
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put_nowait(output)
+                self._deliver(outputs)
                 await asyncio.sleep(0)  # let streams and new requests in between steps
         except asyncio.CancelledError:
             self._error = EngineDeadError("the engine loop was shut down")
@@ -128,6 +134,14 @@ class AsyncEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        receivers = self._receivers
+        for output in outputs:
+            receiver = receivers.pop(output.request_id, None) if output.finished \
+                else receivers.get(output.request_id)
+            if receiver is not None:
+                receiver(output)
 
     def _apply_pending(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -139,10 +153,11 @@ class AsyncEngine:
             try:
                 self.engine.add(request)
             except ValueError as exc:
-                stream = self._streams.get(request.request_id)
-                if stream is not None:
-                    stream.put_nowait(exc)
+                receiver = self._receivers.pop(request.request_id, None)
+                if receiver is not None:
+                    receiver(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(exc)
+        receivers, self._receivers = self._receivers, {}
+        for receiver in receivers.values():
+            receiver(exc)

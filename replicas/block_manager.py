@@ -35,6 +35,8 @@ class BlockManager:
         self.kv_events = KVEventLog(max_events)
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
+        self.num_slots_allocated = 0  # summed over steps: the KV-waste figure
+        self.num_slots_used = 0
 
     @property
     def num_blocks(self) -> int:
@@ -75,6 +77,18 @@ class BlockManager:
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+
+    def record_slot_usage(self, running: list[Sequence]) -> None:
+        """Count the slots these sequences hold and the ones holding a token (once per step)."""
+        self.num_slots_allocated += sum(len(s.block_table) for s in running) * self.block_size
+        self.num_slots_used += sum(s.num_computed_tokens for s in running)
+
+    @property
+    def kv_slot_waste(self) -> float:
+        """Fraction of allocated slots, summed over steps, that held no token."""
+        if not self.num_slots_allocated:
+            return 0.0
+        return 1 - self.num_slots_used / self.num_slots_allocated
 
     def num_evictable_hits(self, block_ids: list[int]) -> int:
         """How many of these hit blocks are now free (taking them shrinks the free pool)."""

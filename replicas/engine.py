@@ -13,11 +13,12 @@ from replicas.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.default_model import resolve_model
 from replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
-from replicas.model_runner import ModelRunner
+from replicas.model_runner import ModelRunner, RunnerOutput
 from replicas.outputs import RequestOutput
 from replicas.request import Request
-from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler
+from replicas.block_hash import block_hashes
+from replicas.sampling_params import ParamError, SamplingParams
+from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -47,44 +48,52 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.kv_slots_allocated = 0  # summed over steps, for the KV waste figure
-        self.kv_slots_used = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                      arrival_time: float | None = None) -> Request:
-        """Validate and tokenize; touches no engine state, so it is safe from any thread."""
+        """Validate and tokenize; touches no engine state, so it is safe from any thread.
+
+        What only the engine knows is checked here (the context it serves, its KV capacity, its
+        max_logprobs); `SamplingParams` checked itself when it was made. A dict prompt may carry
+        the prompt's `block_hashes` (the ingress computed them to route it): its sequences use
+        them instead of hashing the prompt again. Errors are `ParamError`s naming the field.
+        """
         params = (params or SamplingParams()).clone()
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, hashes = self._tokenize(prompt)
         if not token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
+            raise ParamError("prompt", "the prompt is empty: it must contain at least one token")
         if max(token_ids) >= self.runner.vocab_size or min(token_ids) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
+            raise ParamError("prompt", f"prompt token ids must be in [0, {self.runner.vocab_size})")
         num_prompt = len(token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - num_prompt
             params.max_tokens = max(max_tokens, 1)
         if num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ParamError("prompt",
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
         capacity = self.block_manager.num_blocks * self.block_size
         if num_prompt + max_tokens > capacity:
-            raise ValueError(f"the request needs up to {num_prompt + max_tokens} tokens of KV cache but "
-                             f"this replica holds only {capacity}")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}")
+            raise ParamError("max_tokens", f"the request needs up to {num_prompt + max_tokens} tokens "
+                             f"of KV cache but this replica holds only {capacity}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ParamError(name, f"{name} must be at most {self.config.max_logprobs}")
         params.eos_token_ids = set(self.eos_token_ids)
         request = Request(request_id, text, token_ids, params,
                           arrival_time=arrival_time or time.monotonic())
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size)
         for i in range(params.n):
             seq = Sequence(request_id, token_ids, params, self.block_size, index=i,
                            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                           arrival_time=request.arrival_time)
+                           arrival_time=request.arrival_time, block_hashes=list(hashes))
             request.seqs.append(seq)
             request.detokenizers.append(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -122,27 +131,30 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns an output for every request that advanced or finished."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        """One iteration; returns an output for every request that advanced or finished (only
+        the finished ones under RequestOutputKind.FINAL_ONLY)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
             return []
-        allocated, used = self.scheduler.kv_slot_waste()
-        self.kv_slots_allocated += allocated
-        self.kv_slots_used += used
-        result = self.runner.execute(sched)
+        runner_output = self.runner.execute(scheduler_output)
+        return self.update_from_output(scheduler_output, runner_output)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[RequestOutput]:
         self.num_steps += 1
-        self.num_prompt_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.samples)
-        for item in sched.scheduled:
-            if item.seq.seq_id in result.prompt_logprobs:
-                self._add_prompt_logprobs(item.seq, *result.prompt_logprobs[item.seq.seq_id])
-        sampling = [s.seq for s in sched.scheduled if s.samples and not s.seq.is_finished]
-        self.scheduler.update(sched, result.sampled_token_ids)
+        self.block_manager.record_slot_usage(self.scheduler.running)
+        self.num_prompt_tokens += sum(s.num_new_tokens for s in scheduler_output.scheduled
+                                      if not s.samples)
+        for seq_id, (start, positions) in runner_output.prompt_logprobs.items():
+            self._add_prompt_logprobs(scheduler_output.seq(seq_id), start, positions)
+        sampled = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
+        self.num_generation_tokens += len(sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token_id, logprobs in zip(sampling, result.sampled_token_ids, result.logprobs):
-            request = self.requests[seq.request_id]
+        for seq, token_id, logprobs in zip(sampled, runner_output.sampled_token_ids,
+                                           runner_output.logprobs):
+            request = touched.get(seq.request_id) or self.requests[seq.request_id]
             touched[request.request_id] = request
-            self.num_generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             if logprobs is not None:
@@ -157,7 +169,8 @@ class LLMEngine:
             if request.finished:
                 request.finish_time = now
                 del self.requests[request.request_id]
-            outputs.append(request.output())
+            if request.wants_output:
+                outputs.append(request.output())
         return outputs
 
     def stats(self) -> dict:
@@ -176,22 +189,23 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
-            "kv_slot_waste": (1 - self.kv_slots_used / self.kv_slots_allocated
-                              if self.kv_slots_allocated else 0.0),
+            "kv_slot_waste": bm.kv_slot_waste,
         }
 
     # -- internals --------------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], list[int] | None]:
+        """(text, token ids, the prompt's block hashes if the caller gave them)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return (prompt.get("prompt"), list(prompt["prompt_token_ids"]),
+                        prompt.get("block_hashes"))
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt), None
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("a prompt must be a string, a list of token ids, or a dict with "
-                         "'prompt' or 'prompt_token_ids'")
+            return None, list(prompt), None
+        raise ParamError("prompt", "a prompt must be a string, a list of token ids, or a dict "
+                         "with 'prompt' or 'prompt_token_ids'")
 
     def _detokenize(self, request: Request, seq: Sequence, token_id: int) -> None:
         detok = request.detokenizers[seq.index]

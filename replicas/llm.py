@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine, PromptInput
 from replicas.outputs import RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 
@@ -37,7 +37,9 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
-        requests = [engine.make_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params)]
+        # Only the finished outputs are read: no output is built for a request until then.
+        requests = [engine.make_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+                    for rid, p, sp in zip(ids, prompts, params)]
         for request in requests:
             engine.add(request)
         results: dict[str, RequestOutput] = {}

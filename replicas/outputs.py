@@ -1,4 +1,10 @@
-"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput.
+
+With `RequestOutputKind.DELTA` each output carries only what changed since the previous one of
+its request (new text, token ids, logprobs; only the completions that changed), and the prompt
+(text, ids, logprobs) only in the first; `add` folds a later delta into an earlier one, so a
+consumer that fell behind receives everything pending as one output.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +21,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -29,10 +35,19 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append a later delta of the same completion."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
-@dataclass
+
+@dataclass(slots=True)
 class RequestOutput:
-    """Cumulative: each output of a request carries all text/tokens so far (vLLM's default)."""
+    """Cumulative by default (vLLM's default); a delta under RequestOutputKind.DELTA."""
 
     request_id: str
     prompt: str | None
@@ -41,4 +56,22 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict = field(default_factory=dict)
+    num_prompt_tokens: int = 0
+    metrics: dict | None = None  # timings; on a request's last output
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later delta of the same request into this one (vLLM's aggregate=True)."""
+        by_index = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            mine = by_index.get(completion.index)
+            if mine is None:
+                self.outputs.append(completion)
+                by_index[completion.index] = completion
+            else:
+                mine.add(completion)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.metrics is not None:
+            self.metrics = later.metrics

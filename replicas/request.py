@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 from replicas.sequence import Sequence
 
 
@@ -24,6 +24,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Per seq, how much a DELTA output has handed out already: (chars, tokens, finished).
+    sent: list[list] = field(default_factory=list)
+    num_outputs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -33,27 +36,52 @@ class Request:
     def num_cached_tokens(self) -> int:
         return max(0, self.seqs[0].num_cached_tokens)
 
+    @property
+    def wants_output(self) -> bool:
+        """Whether a step that advanced this request should hand out an output now."""
+        return self.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY or self.finished
+
     def output(self) -> RequestOutput:
-        params = self.sampling_params
+        delta = self.sampling_params.output_kind is RequestOutputKind.DELTA
+        if delta and not self.sent:
+            self.sent = [[0, 0, False] for _ in self.seqs]
+        want_logprobs = self.sampling_params.logprobs is not None
         completions = []
         for i, seq in enumerate(self.seqs):
             detok = self.detokenizers[i]
             finished = seq.is_finished
             text = detok.visible_text(finished) if detok is not None else ""
+            token_ids, logprobs = seq.output_token_ids, self.logprobs[i] if want_logprobs else None
+            if delta:
+                sent = self.sent[i]
+                if sent[2] or (len(text) <= sent[0] and seq.num_output_tokens <= sent[1]
+                               and not finished):
+                    continue  # nothing new for this completion
+                text, token_ids = text[sent[0]:], token_ids[sent[1]:]
+                logprobs = logprobs[sent[1]:] if logprobs is not None else None
+                sent[0], sent[1], sent[2] = sent[0] + len(text), seq.num_output_tokens, finished
+            else:
+                logprobs = list(logprobs) if logprobs is not None else None
             completions.append(CompletionOutput(
-                index=i,
-                text=text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=self.cumulative_logprobs[i] if params.logprobs is not None else None,
-                logprobs=list(self.logprobs[i]) if params.logprobs is not None else None,
+                index=i, text=text, token_ids=token_ids,
+                cumulative_logprob=self.cumulative_logprobs[i] if want_logprobs else None,
+                logprobs=logprobs,
                 finish_reason=seq.status.value if finished else None,
                 stop_reason=seq.stop_reason,
             ))
-        metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
-                   "finish_time": self.finish_time,
-                   "num_generated_tokens": sum(s.num_output_tokens for s in self.seqs)}
+        first = self.num_outputs == 0
+        self.num_outputs += 1
+        finished = self.finished
+        metrics = None
+        if finished:
+            metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
+                       "finish_time": self.finish_time,
+                       "num_generated_tokens": sum(s.num_output_tokens for s in self.seqs)}
+        keep_prompt = first or not delta
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=completions, finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens,
-            metrics=metrics)
+            request_id=self.request_id, prompt=self.prompt if keep_prompt else None,
+            prompt_token_ids=self.prompt_token_ids if keep_prompt else [],
+            outputs=completions, finished=finished,
+            prompt_logprobs=self.prompt_logprobs if keep_prompt else None,
+            num_cached_tokens=self.num_cached_tokens,
+            num_prompt_tokens=len(self.prompt_token_ids), metrics=metrics)

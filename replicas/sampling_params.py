@@ -1,9 +1,29 @@
 """Per-request sampling settings, vLLM-compatible names and normalisation."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class ParamError(ValueError):
+    """A request field that fails validation; `param` names it, for OpenAI's error `param`."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # crosses process boundaries intact
+        return (ParamError, (self.param, str(self)))
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what changed since the previous output: streams
+    FINAL_ONLY = 2  # one output, when the request finishes: non-streamed calls pay nothing per token
 
 
 @dataclass
@@ -29,6 +49,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine, not the user.
     eos_token_ids: set[int] = field(default_factory=set, repr=False)  # the model's; set by the engine
 
@@ -52,7 +73,7 @@ class SamplingParams:
     def verify(self) -> None:
         def check(ok: bool, name: str, why: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {why}")
+                raise ParamError(name, f"{name} {why}")
 
         check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
@@ -69,10 +90,11 @@ class SamplingParams:
         check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-              f"must be in [0, 20], got {self.logprobs}")
-        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-              f"must be in [0, 20], got {self.prompt_logprobs}")
+        # The upper bound is the engine's max_logprobs: it checks them (LLMEngine.make_request).
+        check(self.logprobs is None or self.logprobs >= 0, "logprobs",
+              f"must be non-negative, got {self.logprobs}")
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+              f"must be non-negative, got {self.prompt_logprobs}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
 
     def clone(self, **changes) -> "SamplingParams":

@@ -30,6 +30,14 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences this step samples a token for: the runner's outputs follow this order."""
+        return [s.seq for s in self.scheduled if s.samples]
+
+    def seq(self, seq_id: int) -> Sequence:
+        return next(s.seq for s in self.scheduled if s.seq.seq_id == seq_id)
+
+    @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
@@ -112,21 +120,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
         """Append each sampling sequence's new token; finish those that hit a stop condition.
 
-        sampled_token_ids has one entry per scheduled sequence that samples, in order.
-        Returns the sequences that received a token.
+        sampled_token_ids has one entry per sequence of `out.sampling`, in order; returns those
+        sequences.
         """
-        updated = []
-        tokens = iter(sampled_token_ids)
-        for item in out.scheduled:
-            if not item.samples or item.seq.is_finished:
-                continue
-            seq, token_id = item.seq, next(tokens)
+        sampling = out.sampling
+        for seq, token_id in zip(sampling, sampled_token_ids, strict=True):
             seq.append_token(token_id)
-            updated.append(seq)
             status = self._check_stop(seq, token_id)
             if status is not None:
                 self.finish(seq, status)
-        return updated
+        return sampling
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.is_finished:
@@ -137,12 +140,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
-
-    def kv_slot_waste(self) -> tuple[int, int]:
-        """(allocated slots, slots holding a token) over running sequences."""
-        allocated = sum(len(s.block_table) for s in self.running) * self.block_manager.block_size
-        used = sum(s.num_computed_tokens for s in self.running)
-        return allocated, used
 
     def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))

@@ -125,7 +125,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs (ingress)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
@@ -217,7 +217,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs (ingress)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -138,3 +138,58 @@ def test_async_engine_streams_and_aborts(model_dir):
     offline = LLM(model_dir, max_model_len=256).generate(
         "hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert last == offline[0].outputs[0].text
+
+
+def test_delta_and_final_only_outputs(model_dir):
+    from replicas.sampling_params import RequestOutputKind
+
+    async def main():
+        engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=256))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=1)
+        deltas = [out async for out in engine.generate(
+            "hello world", params.clone(output_kind=RequestOutputKind.DELTA), "d")]
+        finals = [out async for out in engine.generate(
+            "hello world", params.clone(output_kind=RequestOutputKind.FINAL_ONLY), "f")]
+        engine.shutdown()
+        return deltas, finals
+
+    deltas, finals = asyncio.run(main())
+    whole = LLM(model_dir, max_model_len=256).generate("hello world", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=1), use_tqdm=False)[0]
+    assert len(finals) == 1 and finals[0].finished
+    assert [c.token_ids for c in finals[0].outputs] == [c.token_ids for c in whole.outputs]
+    assert deltas[0].prompt_token_ids and not any(d.prompt_token_ids for d in deltas[1:])
+    for index, want in enumerate(whole.outputs):
+        mine = [c for d in deltas for c in d.outputs if c.index == index]
+        assert "".join(c.text for c in mine) == want.text
+        assert sum((c.token_ids for c in mine), []) == want.token_ids
+        assert sum((c.logprobs for c in mine), []) == want.logprobs
+        assert mine[-1].finish_reason == "length" and all(c.finish_reason is None for c in mine[:-1])
+
+
+def test_a_request_keeps_the_block_hashes_it_came_with(llm):
+    from replicas.block_hash import block_hashes
+
+    engine = llm.llm_engine
+    ids = list(range(3, 3 + 40))
+    given = [11, 22]  # whatever the caller computed (the ingress, for routing): not recomputed
+    request = engine.make_request("h1", {"prompt_token_ids": ids, "block_hashes": given},
+                                  SamplingParams(n=2))
+    assert [s.block_hashes for s in request.seqs] == [given, given]
+    assert request.seqs[0].block_hashes is not request.seqs[1].block_hashes is not given
+    plain = engine.make_request("h2", {"prompt_token_ids": ids}, SamplingParams())
+    assert plain.seqs[0].block_hashes == block_hashes(ids, engine.block_size)
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [10**9]}, SamplingParams(), "prompt"),
+    ("hello", SamplingParams(logprobs=21), "logprobs"),
+    ("hello", SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
+])
+def test_engine_errors_name_their_field(llm, prompt, params, param):
+    from replicas.sampling_params import ParamError
+
+    with pytest.raises(ParamError) as info:
+        llm.llm_engine.make_request("e", prompt, params)
+    assert info.value.param == param
