@@ -3,7 +3,7 @@
 Same seeded workload, same model, dtype and thread count, measured in one run; each system runs
 in its own subprocess so peak RSS is its own. Prints output tokens/s, the ratio, KV waste.
 
-    python -m bench.offline_throughput [--num-requests 128] [--model DIR] [--dtype float32]
+    python -m bench.offline_throughput [--num-requests 128] [--model DIR] [--dtype float32] [--device cuda]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def run_pagedserve(args, requests) -> dict:
 
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_gb=args.kv_cache_gb)
+              kv_cache_memory_gb=args.kv_cache_gb, device=args.device)
     llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     start = time.perf_counter()
@@ -54,15 +54,16 @@ def run_transformers(args, requests) -> dict:
     from replicas.default_model import resolve_model
     model_dir = resolve_model(args.model)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval()
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval().to(device)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     generated = 0
     start = time.perf_counter()
     for i in range(0, len(requests), args.hf_batch_size):
         batch = requests[i:i + args.hf_batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         new = max(n for _, n in batch)  # a static batch runs until its longest request is done
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -92,6 +93,8 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, 
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where both systems run (auto: CUDA when there is one)")
     parser.add_argument("--num-requests", type=int, default=num_requests)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=max_prompt)
