@@ -7,7 +7,7 @@ random prompts, `ignore_eos`, streamed chat completions, at each point of a swee
 TTFT / TPOT / ITL p50 and p99, and pagedserve / vLLM ratios; writes bench/results/serving.json and
 serving.png.
 
-    python -m bench.serving [--threads 1] [--num-prompts 32] [--input-len 128] [--output-len 64]
+    python -m bench.serving [--model DIR|tiny] [--threads 1] [--replicas 1] [--num-prompts 32] [--input-len 128] [--output-len 64]
                             [--request-rates 1,4,inf] [--concurrency 1,8,32] [--systems pagedserve,vllm]
 """
 from __future__ import annotations
@@ -82,7 +82,8 @@ def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{
             "name": "pagedserve", "route_prefix": "/", "import_path": "serve_app:app",
-            "args": {"model": model_dir, "dtype": args.dtype, "num_replicas": 1, "num_threads": args.threads,
+            "args": {"model": model_dir, "dtype": args.dtype, "num_replicas": args.replicas,
+                     "num_threads": args.threads // args.replicas,
                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "kv_cache_memory_gb": args.kv_cache_gb},
         }],
@@ -172,15 +173,18 @@ def run_system(args, system: str, model_dir: str, workdir: Path) -> dict:
             r = results[label]
             print(f"  {label:>9}: {r['request_throughput']:6.2f} req/s {r['output_throughput']:8.1f} out tok/s  "
                   f"TTFT p50 {r['p50_ttft_ms']:8.1f} p99 {r['p99_ttft_ms']:8.1f}  "
-                  f"TPOT p50 {r['p50_tpot_ms']:7.1f}  ITL p99 {r['p99_itl_ms']:7.1f} ms"
-                  f"{'  FAILED ' + str(r['failed']) if r['failed'] else ''}", flush=True)
+                  f"TPOT p50 {r['p50_tpot_ms']:7.1f}  ITL p50 {r['p50_itl_ms']:7.1f} "
+                  f"p99 {r['p99_itl_ms']:7.1f} ms  rejected/failed {r['failed']}/{r['num_prompts']}",
+                  flush=True)
     return results
 
 
 def ratio_table(results: dict, base: str = "vllm", ours: str = "pagedserve") -> dict:
     """ours / base per sweep point: throughputs (higher is better) and latencies (lower is better)."""
     ratios = {}
-    print(f"\n{ours} / {base} (throughput: >1 is better; latency: <1 is better)")
+    print(f"\n{ours} / {base} (throughput: >1 is better; latency: <1 is better); rejected/failed "
+          f"requests: {ours} {sum(r['failed'] for r in results[ours].values())}, {base} "
+          f"{sum(r['failed'] for r in results[base].values())}")
     print(f"{'point':>9} " + " ".join(f"{h:>8}" for h in
                                        ("req/s", "tok/s", "TTFTp50", "TTFTp99", "TPOTp50", "TPOTp99", "ITLp50", "ITLp99")))
     keys = ["request_throughput", "output_throughput"] + [f"p{p}_{m}_ms" for m in METRICS for p in PERCENTILES]
@@ -224,9 +228,13 @@ def plot(results: dict, path: Path) -> Path | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="HF directory, or 'tiny' (bench.serving_overhead's 3-layer model); "
+                             "default: the embedded model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads / cores for each server")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="pagedserve engine replicas, sharing --threads between them")
     parser.add_argument("--systems", default="pagedserve,vllm")
     parser.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai"])
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -243,8 +251,14 @@ def main() -> None:
     parser.add_argument("--point-timeout-s", type=float, default=900)
     args = parser.parse_args()
 
+    if args.replicas < 1 or args.threads % args.replicas:
+        parser.error("--threads must be a multiple of --replicas")
     from replicas.default_model import resolve_model
-    model_dir = resolve_model(args.model)
+    if args.model == "tiny":
+        from bench.serving_overhead import build_tiny
+        model_dir = build_tiny(tempfile.mkdtemp(prefix="bench-serving-tiny-"))
+    else:
+        model_dir = resolve_model(args.model)
     results = {}
     with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
         for system in [s for s in args.systems.split(",") if s]:

@@ -6,7 +6,11 @@ the Ray Serve app (proxy -> ingress -> engine replicas) started in this process.
 (offline, serving, offline, ...) so load from other processes falls on both; each round has new
 prompts (no prefix-cache hits from an earlier round); the best round of each counts. Prints output tokens/s for both and the ratio (goal >= 0.9); writes JSON.
 
-    python -m bench.serving_overhead [--model DIR] [--replicas 1] [--threads 1] [--rounds 2]
+    python -m bench.serving_overhead [--model DIR|tiny] [--replicas 1] [--threads 1] [--rounds 2]
+
+`--model tiny` builds a 3-layer, 96-wide random Llama whose forward costs almost nothing, so the
+ratio and the CPU time per streamed token (all Ray processes together, read from /proc before and
+after the serving round) are the serving path's own cost.
 
 By default one replica with one torch thread is compared with the offline engine on one thread:
 the same compute, so the ratio is the serving path's own cost. `--replicas 2 --offline-threads 2`
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -36,6 +41,34 @@ def workload(args, vocab_size: int, special_ids: set[int]) -> list[tuple[list[in
 def engine_args(args, threads: int) -> dict:
     return dict(num_threads=threads, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
+
+
+TINY_MODEL = dict(num_layers=3, hidden_size=96, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=2048)
+
+
+def build_tiny(out_dir: str) -> str:
+    from tests.tiny_models import build_tiny_model
+    build_tiny_model(out_dir, "llama", **TINY_MODEL)
+    return out_dir
+
+
+def serving_cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by every process this one started (Ray's, not the load client),
+    by process title (`ray::ServeReplica:pagedserve:Ingress`, `ray::ProxyActor`, raylet, ...)."""
+    import psutil
+
+    by_name: dict[str, float] = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+            cmdline = child.cmdline()
+            name = cmdline[0].split()[0] if cmdline and cmdline[0].startswith("ray::") \
+                else child.name()
+        except psutil.Error:  # exited meanwhile
+            continue
+        by_name[name] = by_name.get(name, 0.0) + times.user + times.system
+    return by_name
 
 
 def offline_child(args) -> None:
@@ -65,7 +98,7 @@ def run_offline(argv: list[str], seed: int) -> dict:
 async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    text, tokens, first = "", 0, None
+    text, tokens, first, num_chunks = "", 0, None, 0
     start = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -76,33 +109,53 @@ async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> 
             if chunk["choices"]:
                 first = first or time.perf_counter() - start
                 text += chunk["choices"][0]["text"]
+                num_chunks += 1
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return text, tokens, first
+    return text, tokens, first, num_chunks
 
 
-async def run_serving_round(base_url: str, model: str, requests) -> dict:
+async def run_serving_round(base_url: str, model: str, requests, concurrency: int) -> dict:
     import httpx
 
-    limits = httpx.Limits(max_connections=len(requests) + 4)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(client, prompt, max_tokens):
+        async with gate:
+            return await stream_one(client, model, prompt, max_tokens)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         await stream_one(client, model, requests[0][0][:16], 4)  # warm-up
+        cpu_before = serving_cpu_seconds()
         start = time.perf_counter()
-        results = await asyncio.gather(*(stream_one(client, model, p, n) for p, n in requests))
+        results = await asyncio.gather(*(gated(client, p, n) for p, n in requests))
         seconds = time.perf_counter() - start
+        cpu_after = serving_cpu_seconds()
+        cpu_by_process = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+        cpu_seconds = sum(cpu_by_process.values())
     ttfts = sorted(r[2] for r in results)
-    return {"seconds": seconds, "output_tokens": sum(r[1] for r in results),
+    output_tokens = sum(r[1] for r in results)
+    per_token = 1e6 / max(output_tokens, 1)
+    return {"seconds": seconds, "output_tokens": output_tokens, "cpu_seconds": cpu_seconds,
+            "cpu_us_per_token": cpu_seconds * per_token,
+            "cpu_us_per_token_by_process": {name: round(s * per_token, 1) for name, s in
+                                            sorted(cpu_by_process.items(), key=lambda kv: -kv[1])
+                                            if s * per_token >= 1},
+            "tokens_per_event": output_tokens / max(sum(r[3] for r in results), 1),
             "texts": [r[0] for r in results], "ttft_p50_s": ttfts[len(ttfts) // 2]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="HF directory, or 'tiny' (default: the embedded model)")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--offline-threads", type=int, default=None, help="default: --threads")
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32, help="streams open at once")
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -110,11 +163,19 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ray-throughput-optimized", action="store_true",
+                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress: no proxy)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a serving setting for the app (serve_app/config.py), repeatable")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.offline_threads = args.offline_threads or args.threads
+    if args.model == "tiny" and not args.child:
+        args.model = build_tiny(tempfile.mkdtemp(prefix="bench-serving-tiny-"))
+        sys.argv = [{"tiny": args.model, "--model=tiny": f"--model={args.model}"}.get(a, a)
+                    for a in sys.argv]
     if args.child:
         return offline_child(args)
 
@@ -126,15 +187,19 @@ def main() -> None:
     from serve_app import build_app
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    if args.ray_throughput_optimized:  # read by every Ray process this one starts
+        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     ray.init(num_cpus=max(2, args.replicas * args.threads), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     began = time.perf_counter()
-    serve.run(build_app({"model": args.model, "num_replicas": args.replicas,
+    settings = dict(item.split("=", 1) for item in args.set)
+    serve.run(build_app({**settings, "model": args.model, "num_replicas": args.replicas,
                          "replica_num_cpus": args.threads, **engine_args(args, args.threads)}),
               name="pagedserve", route_prefix="/")
     deploy_s = time.perf_counter() - began
-    model = serve.get_app_handle("pagedserve").models.remote().result().data[0].id
+    import httpx
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()["data"][0]["id"]
     offline_rounds, serving_rounds = [], []
     base_seed = args.seed
     try:
@@ -143,7 +208,8 @@ def main() -> None:
             args.seed = base_seed + round_
             requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
             offline_rounds.append(run_offline(sys.argv[1:], args.seed))
-            serving = asyncio.run(run_serving_round(f"http://127.0.0.1:{port}", model, requests))
+            serving = asyncio.run(run_serving_round(f"http://127.0.0.1:{port}", model, requests,
+                                                    args.concurrency))
             serving["identical_texts"] = sum(a == b for a, b in zip(offline_rounds[-1]["texts"],
                                                                     serving["texts"]))
             serving_rounds.append(serving)
@@ -160,9 +226,13 @@ def main() -> None:
     ratio = serving["tokens_per_s"] / offline["tokens_per_s"]
     print(f"offline LLM.generate ({args.offline_threads} thread(s)): {offline['tokens_per_s']:8.1f} "
           f"output tok/s ({offline['output_tokens']} tokens in {offline['seconds']:.1f}s)")
-    print(f"HTTP, {args.num_requests} streams, {args.replicas} replica(s) x {args.threads} thread(s): "
+    print(f"HTTP, {args.num_requests} requests, {args.concurrency} streams at once, {args.replicas} replica(s) x {args.threads} thread(s): "
           f"{serving['tokens_per_s']:8.1f} output tok/s ({serving['output_tokens']} tokens in "
-          f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s)")
+          f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s, "
+          f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token, "
+          f"{serving['tokens_per_event']:.1f} tokens per event)")
+    print("  serving CPU per token, by process:", ", ".join(
+        f"{name} {us:.0f} us" for name, us in serving["cpu_us_per_token_by_process"].items()))
     print(f"serving / offline throughput: {ratio:.3f}  (greedy texts identical in every round: "
           f"{same_text}/{args.num_requests}; app deployed in {deploy_s:.1f}s)")
     strip = lambda r: {k: v for k, v in r.items() if k != "texts"}  # noqa: E731

@@ -1,7 +1,8 @@
 """EngineReplica: the thin Ray Serve shim around one AsyncEngine.
 
-The engine knows nothing of Ray; this class only turns its cumulative outputs into small deltas
-for the wire, reports stats and health, and exports the engine's gauges as Ray metrics. It is a
+The engine knows nothing of Ray; this class only hands its delta outputs to the wire (a request's
+own stream, or an ingress's output channel: `replicas/output_channel.py`), reports stats and
+health, and exports the engine's gauges as Ray metrics. It is a
 plain class: `serve_app/app.py` wraps it with `serve.deployment` and binds it.
 
 The ingress calls `generate(GenerateRequest)` with `handle.options(stream=True)`. A request
@@ -22,8 +23,9 @@ from typing import Any
 
 from replicas import cache_digest
 from replicas.config import EngineConfig
-from replicas.outputs import PositionLogprobs, RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.output_channel import ChannelClosed, OutputChannel
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ REPLICA_COUNTERS = {
     "pagedserve_engine_steps": ("num_steps", "Engine steps run"),
 }
 METRICS_INTERVAL_S = 1.0
+# An output channel without requests for this long ends (a draining replica waits for it).
+CHANNEL_IDLE_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -51,62 +55,24 @@ class GenerateRequest:
     params: SamplingParams
     prompt: str | None = None
     block_hashes: list[int] = field(default_factory=list)  # for a prefix-aware request router
+    channel_id: str | None = None  # the ingress's output channel, where this replica has it open
 
 
 @dataclass(slots=True)
-class ChoiceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+class ChannelRequest:
+    """Open an output channel from one ingress replica on one engine replica: the request router
+    sends it to exactly `replica_id`."""
+
+    replica_id: str
+    channel_id: str
 
 
-@dataclass(slots=True)
-class GenerateDelta:
-    """What changed since the previous delta of a request; counts are totals so far."""
+@dataclass(slots=True, frozen=True)
+class ReplicaHello:
+    """First item of a request streamed on its own call: names the replica, so the ingress
+    can open a channel to it for later requests."""
 
-    request_id: str
-    choices: list[ChoiceDelta]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finished: bool
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first delta only
-
-
-class DeltaTracker:
-    """Turns a request's cumulative outputs into deltas (pure; unit-tested without Ray)."""
-
-    def __init__(self, n: int):
-        self.text_sent = [0] * n
-        self.tokens_sent = [0] * n
-        self.logprobs_sent = [0] * n
-        self.finished = [False] * n
-        self.first = True
-
-    def delta(self, out: RequestOutput) -> GenerateDelta:
-        choices = []
-        for c in out.outputs:
-            i = c.index
-            if self.finished[i]:
-                continue
-            text = c.text[self.text_sent[i]:] if len(c.text) > self.text_sent[i] else ""
-            token_ids = c.token_ids[self.tokens_sent[i]:]
-            logprobs = c.logprobs[self.logprobs_sent[i]:] if c.logprobs is not None else None
-            if not text and not token_ids and c.finish_reason is None:
-                continue
-            self.text_sent[i] = max(self.text_sent[i], len(c.text))
-            self.tokens_sent[i] = len(c.token_ids)
-            self.logprobs_sent[i] = len(c.logprobs) if c.logprobs is not None else 0
-            self.finished[i] = c.finish_reason is not None
-            choices.append(ChoiceDelta(i, text, list(token_ids), logprobs, c.finish_reason,
-                                       c.stop_reason))
-        delta = GenerateDelta(out.request_id, choices, len(out.prompt_token_ids),
-                              out.num_cached_tokens, out.finished,
-                              out.prompt_logprobs if self.first else None)
-        self.first = False
-        return delta
+    replica_id: str
 
 
 class EngineReplicaDead(RuntimeError):
@@ -153,27 +119,87 @@ class EngineReplica:
         self.stall_timeout_s = stall_timeout_s
         self._last_steps = -1
         self._last_progress = time.monotonic()
+        self._channels: dict[str, OutputChannel] = {}  # by channel id (one per ingress replica)
+        self._channel_requests: dict[OutputChannel, dict[str, asyncio.Future]] = {}
         self._metrics = _ReplicaMetrics(self.replica_id)
         self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
 
     # -- serving ------------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream deltas. ValueError (a bad request) is raised before the first delta; leaving
-        early, a cancel or a client disconnect aborts the request and frees its KV blocks."""
-        prompt = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids}
-        tracker = DeltaTracker(request.params.n)
-        stream = self.engine.generate(prompt, request.params, request.request_id)
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | ReplicaHello]:
+        """A request's outputs: deltas, or the last one only (FINAL_ONLY). ValueError (a bad request) is raised before anything
+        is yielded; leaving early, a cancel or a client disconnect aborts the request and frees
+        its KV blocks. Where the request's output channel is open here, its outputs go there and
+        this call yields nothing, ending when the request has finished."""
+        params = request.params
+        if params.output_kind is RequestOutputKind.CUMULATIVE:  # the wire carries deltas only
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
+        prompt = {"prompt": request.prompt, "prompt_token_ids": request.prompt_token_ids,
+                  "block_hashes": request.block_hashes or None}
+        channel = self._channels.get(request.channel_id) if request.channel_id else None
         try:
-            async for out in stream:
-                delta = tracker.delta(out)
-                if delta.choices or delta.finished:
-                    yield delta
+            if channel is None:
+                stream = self.engine.generate(prompt, params, request.request_id)
+                try:
+                    first = True
+                    async for out in stream:
+                        if first and request.channel_id:
+                            yield ReplicaHello(self.replica_id)
+                        first = False
+                        yield out
+                finally:
+                    await stream.aclose()  # a no-op after the end; otherwise aborts in the engine
+            else:
+                await self._generate_into(channel, request.request_id, prompt, params)
         except Exception as exc:
             if not self.engine.is_healthy():
                 raise EngineReplicaDead(self.replica_id, str(exc)) from None
             raise
+
+    async def _generate_into(self, channel: OutputChannel, request_id: str, prompt, params) -> None:
+        done = asyncio.get_running_loop().create_future()
+
+        def deliver(item: RequestOutput | BaseException) -> None:
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+                return
+            channel.put(item)
+            if item.finished:
+                done.set_result(None)
+
+        channel.attach(request_id)
+        self._channel_requests.setdefault(channel, {})[request_id] = done
+        try:
+            self.engine.add_request(request_id, prompt, params, deliver)
+            await done
         finally:
-            await stream.aclose()  # a no-op after the end; otherwise aborts in the engine
+            self._channel_requests[channel].pop(request_id, None)
+            channel.detach(request_id)
+            if not done.done() or done.cancelled():
+                self.engine.abort_nowait(request_id)
+
+    async def open_channel(self, request: ChannelRequest) -> AsyncIterator[list[RequestOutput]]:
+        """The ingress's output channel on this replica: an empty batch once it is open, then
+        lists of outputs of the requests that name it, one list per engine step at most."""
+        if request.replica_id != self.replica_id:  # a router that does not pin channels
+            raise ValueError(f"channel for replica {request.replica_id} reached {self.replica_id}")
+        old = self._channels.pop(request.channel_id, None)
+        if old is not None:
+            old.close()
+        channel = self._channels[request.channel_id] = OutputChannel(CHANNEL_IDLE_TIMEOUT_S)
+        try:
+            yield []
+            async for batch in channel.batches():
+                yield batch
+        finally:
+            channel.close()
+            if self._channels.get(request.channel_id) is channel:
+                del self._channels[request.channel_id]
+            # The ingress is gone: so are the streams its requests here were feeding.
+            for done in self._channel_requests.pop(channel, {}).values():
+                if not done.done():
+                    done.set_exception(ChannelClosed("the output channel closed"))
 
     def model_info(self) -> dict:
         """What the ingress needs to validate and tokenize without loading a model."""

@@ -12,15 +12,18 @@ from ray.serve import Application
 from replicas.default_model import check_model_dir
 from replicas.deployment import EngineReplica
 from serve_app import autoscaling as queue_depth_autoscaling
-from serve_app.config import ServeSettings
+from serve_app.config import DEFAULT_REQUEST_ROUTER, ServeSettings
 from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
 from serve_app.routing.policy import RoutingSettings
 
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
 ROUTING_STATS_PERIOD_S = 1.0
-# Used when the settings name none: prefix-cache-affinity routing, queue-depth autoscaling.
-DEFAULT_REQUEST_ROUTER = "serve_app.routing.router:PrefixAffinityRouter"
+# Ray Serve runs user code, and a handle's router, on event loops of their own by default: every
+# message then crosses threads twice. Our deployments never block their loop (the engine steps in
+# its own thread), so they take Ray's "throughput optimized" placement.
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
@@ -32,7 +35,8 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus},
+        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus,
+                           "runtime_env": {"env_vars": REPLICA_ENV}},
     )
     if settings.autoscaling:
         min_replicas = settings.min_replicas if settings.min_replicas is not None else 1
@@ -75,7 +79,8 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 def ingress_options(settings: ServeSettings) -> dict[str, Any]:
     return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
                 max_ongoing_requests=settings.ingress_max_ongoing_requests,
-                ray_actor_options={"num_cpus": settings.ingress_num_cpus})
+                ray_actor_options={"num_cpus": settings.ingress_num_cpus,
+                                   "runtime_env": {"env_vars": REPLICA_ENV}})
 
 
 def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Application:

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from replicas.config import EngineConfig
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+# Used when the settings name none: prefix-cache-affinity routing (it also pins output channels).
+DEFAULT_REQUEST_ROUTER = "serve_app.routing.router:PrefixAffinityRouter"
 
 DEFAULTS = dict(
     num_replicas=1,
@@ -27,6 +29,7 @@ DEFAULTS = dict(
     engine_stall_timeout_s=120.0,
     graceful_shutdown_timeout_s=20.0,
     target_queue_depth=4.0,
+    max_stream_events_per_s=4000.0,
 )
 
 
@@ -64,6 +67,12 @@ class ServeSettings(BaseModel):
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0, ge=0)
     ingress_max_ongoing_requests: int = Field(DEFAULTS["ingress_max_ongoing_requests"], ge=1)
+    # Stream outputs over one channel per (ingress replica, engine replica), batched per engine
+    # step (replicas/output_channel.py). Needs the default request router, which pins channels.
+    output_channels: bool = True
+    # Server-sent events per second one ingress replica aims to send at most, shared by its open
+    # streams (serve_app/replica_stream.py StreamPacer); 0: one event per engine step and stream.
+    max_stream_events_per_s: float = Field(DEFAULTS["max_stream_events_per_s"], ge=0)
 
     # Seams: import paths ("module:attr") for a custom engine class, request router, and
     # autoscaling policy function. None: AsyncEngine, serve_app.routing's prefix-affinity router,
@@ -104,8 +113,14 @@ class ServeSettings(BaseModel):
         return float(self.engine.num_threads or 1)
 
     @property
+    def channels_enabled(self) -> bool:
+        return self.output_channels and self.request_router_class in (None, DEFAULT_REQUEST_ROUTER)
+
+    @property
     def replica_ongoing_limit(self) -> int:
-        return self.replica_max_ongoing_requests or self.engine.max_num_seqs
+        """Ray's per-replica call limit: the batch, plus a slot per ingress for its channel."""
+        limit = self.replica_max_ongoing_requests or self.engine.max_num_seqs
+        return limit + (self.num_ingress_replicas if self.channels_enabled else 0)
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None = None, *, env: dict[str, str] | None = None

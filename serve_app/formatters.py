@@ -6,26 +6,38 @@ chunk with `choices: []` and the usage (vLLM's `continuous_usage_stats` adds usa
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
-from replicas.deployment import GenerateDelta
+from replicas.outputs import RequestOutput
 from serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                 ChatCompletionResponse, ChatCompletionStreamResponse, ChatStreamChoice,
                                 CompletionChoice, CompletionLogprobs, CompletionRequest,
                                 CompletionResponse, CompletionStreamResponse, DeltaMessage)
 from serve_app.responses import LogprobFormatter, PromptState, usage
 
-Merged = AsyncIterator[tuple[int, GenerateDelta]]
+Merged = AsyncIterator[tuple[int, RequestOutput]]
 
 
 class _Formatter:
-    def __init__(self, request, info, request_id: str, num_prompts: int):
+    OBJECT = ""  # the chunk's "object"
+    TEXT_FIELD = ""  # how a choice carries its text: '"text":' or '"delta":{"content":'
+    TEXT_END = ""
+
+    def __init__(self, request, info, request_id: str, num_prompts: int, sse: bool = False):
         self.request = request
+        self.created = int(time.time())
+        # sse: the HTTP path. A chunk that only carries text (the per-token case) is rendered
+        # straight to its server-sent event, without building and dumping a pydantic model; the
+        # bytes are the same as the model's `model_dump_json()`.
+        self.sse = sse and not request.continuous_usage
+        self._head = (f'data: {{"id":{json.dumps(request_id)},"object":"{self.OBJECT}",'
+                      f'"created":{self.created},"model":{json.dumps(info.name)},'
+                      f'"choices":[{{"index":')
         self.model = info.name
         self.tokenizer = info.tokenizer
         self.request_id = request_id
-        self.created = int(time.time())
         self.n = request.n
         self.states = [PromptState(request.n) for _ in range(num_prompts)]
 
@@ -44,10 +56,17 @@ class _Formatter:
     def _chunk_usage(self):
         return usage(self.states) if self.request.continuous_usage else None
 
+    def _text_event(self, index: int, text: str) -> str:
+        return (f'{self._head}{index},{self.TEXT_FIELD}{json.dumps(text, ensure_ascii=False)}'
+                f'{self.TEXT_END},"logprobs":null,"finish_reason":null,"stop_reason":null}}],'
+                f'"usage":null}}\n\n')
+
 
 class CompletionFormatter(_Formatter):
-    def __init__(self, request: CompletionRequest, info, request_id: str, prompts):
-        super().__init__(request, info, request_id, len(prompts))
+    OBJECT, TEXT_FIELD, TEXT_END = "text_completion", '"text":', ""
+
+    def __init__(self, request: CompletionRequest, info, request_id: str, prompts, sse: bool = False):
+        super().__init__(request, info, request_id, len(prompts), sse)
         self.prompts = prompts
         self.logprobs = LogprobFormatter(info.tokenizer, request.logprobs or 0)
 
@@ -81,7 +100,8 @@ class CompletionFormatter(_Formatter):
         return CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                         choices=choices, usage=final_usage or self._chunk_usage())
 
-    async def stream(self, merged: Merged) -> AsyncIterator[CompletionStreamResponse]:
+    async def stream(self, merged: Merged) -> AsyncIterator[CompletionStreamResponse | str]:
+        """Chunks; with `sse`, text-only ones as ready server-sent events (str)."""
         want_logprobs = self.request.logprobs is not None
         offsets = [[0] * self.n for _ in self.states]
         echoed = [False] * len(self.states)
@@ -95,7 +115,7 @@ class CompletionFormatter(_Formatter):
                     yield self._chunk([CompletionChoice(
                         index=p * self.n + c, text=text,
                         logprobs=self._prompt_logprobs(p) if want_logprobs else None)])
-            for cd in delta.choices:
+            for cd in delta.outputs:
                 index = p * self.n + cd.index
                 if cd.text or cd.token_ids:
                     logprobs = None
@@ -103,7 +123,11 @@ class CompletionFormatter(_Formatter):
                         logprobs = self.logprobs.completion(cd.token_ids, cd.logprobs or [],
                                                             offsets[p][cd.index])
                     offsets[p][cd.index] += len(cd.text)
-                    yield self._chunk([CompletionChoice(index=index, text=cd.text, logprobs=logprobs)])
+                    if self.sse and logprobs is None:
+                        yield self._text_event(index, cd.text)
+                    else:
+                        yield self._chunk([CompletionChoice(index=index, text=cd.text,
+                                                            logprobs=logprobs)])
                 if cd.finish_reason is not None:
                     yield self._chunk([CompletionChoice(index=index, text="",
                                                         finish_reason=cd.finish_reason,
@@ -113,8 +137,10 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    def __init__(self, request: ChatCompletionRequest, info, request_id: str):
-        super().__init__(request, info, request_id, 1)
+    OBJECT, TEXT_FIELD, TEXT_END = "chat.completion.chunk", '"delta":{"content":', "}"
+
+    def __init__(self, request: ChatCompletionRequest, info, request_id: str, sse: bool = False):
+        super().__init__(request, info, request_id, 1, sse)
         self.logprobs = LogprobFormatter(info.tokenizer, request.top_logprobs or 0)
 
     async def collect(self, merged: Merged) -> ChatCompletionResponse:
@@ -134,7 +160,8 @@ class ChatFormatter(_Formatter):
                                             model=self.model, choices=choices,
                                             usage=final_usage or self._chunk_usage())
 
-    async def stream(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse]:
+    async def stream(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse | str]:
+        """Chunks; with `sse`, text-only ones as ready server-sent events (str)."""
         state = self.states[0]
         role_sent = False
         async for _, delta in merged:
@@ -144,13 +171,16 @@ class ChatFormatter(_Formatter):
                 for i in range(self.n):
                     yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                      content=""))])
-            for cd in delta.choices:
+            for cd in delta.outputs:
                 if cd.text or (self.request.logprobs and cd.token_ids):
                     logprobs = self.logprobs.chat(cd.token_ids, cd.logprobs or []) \
                         if self.request.logprobs else None
-                    yield self._chunk([ChatStreamChoice(index=cd.index,
-                                                        delta=DeltaMessage(content=cd.text),
-                                                        logprobs=logprobs)])
+                    if self.sse and logprobs is None:
+                        yield self._text_event(cd.index, cd.text)
+                    else:
+                        yield self._chunk([ChatStreamChoice(index=cd.index,
+                                                            delta=DeltaMessage(content=cd.text),
+                                                            logprobs=logprobs)])
                 if cd.finish_reason is not None:
                     yield self._chunk([ChatStreamChoice(index=cd.index, delta=DeltaMessage(),
                                                         finish_reason=cd.finish_reason,

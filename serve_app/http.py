@@ -82,8 +82,8 @@ def _json(model) -> Response:
 
 async def _sse(chunks: AsyncIterator) -> AsyncIterator[str]:
     try:
-        async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
+        async for chunk in chunks:  # a str is a server-sent event already
+            yield chunk if isinstance(chunk, str) else f"data: {chunk.model_dump_json()}\n\n"
     except OpenAIError as exc:
         yield exc.sse_event()
     except Exception as exc:  # noqa: BLE001 - a bug after the stream started: tell the client
@@ -120,12 +120,12 @@ def build_http_app(ingress) -> FastAPI:
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_completion(request: CompletionRequest):
-        return _result(await ingress.completions(request))
+        return _result(await ingress.completions(request, sse=True))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_chat_completion(request: ChatCompletionRequest):
-        return _result(await ingress.chat(request))
+        return _result(await ingress.chat(request, sse=True))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest):

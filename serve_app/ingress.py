@@ -25,6 +25,7 @@ from ray import serve
 
 from replicas.block_hash import block_hashes
 from replicas.deployment import GenerateRequest
+from replicas.sampling_params import ParamError, RequestOutputKind
 from serve_app import errors, formatters
 from serve_app.config import ServeSettings
 from serve_app.errors import OpenAIError
@@ -33,7 +34,8 @@ from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.replica_stream import ReplicaStream, as_own_call, map_replica_error, merge_streams
+from serve_app.replica_stream import (OutputChannels, ReplicaStream, StreamPacer, as_own_call,
+                                      map_replica_error, merge_streams)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ class Ingress:
         self.settings = ServeSettings.model_validate(settings)
         self.replica = engine_replica
         self.replica_stream = engine_replica.options(stream=True)
+        self.channels = OutputChannels(self.replica_stream.open_channel.remote
+                                       if self.settings.channels_enabled else None)
+        self.pacer = StreamPacer(self.settings.max_stream_events_per_s)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
@@ -117,8 +122,9 @@ class Ingress:
         return info
 
     # -- completions ---------------------------------------------------------------------------
-    async def completions(self, request: CompletionRequest | dict):
-        """A CompletionResponse, or (request.stream) an async iterator of CompletionStreamResponse."""
+    async def completions(self, request: CompletionRequest | dict, sse: bool = False):
+        """A CompletionResponse, or (request.stream) an async iterator of CompletionStreamResponse
+        (`sse`: the HTTP route's, some chunks already rendered as server-sent events)."""
         request = _parse(CompletionRequest, request)
         info = await self._checked_model(request.model)
         prompts = self._completion_prompts(request, info)
@@ -132,7 +138,7 @@ class Ingress:
                                            prompt_logprobs, info, "prompt")
                     for i, p in enumerate(prompts)]
         replica_streams = await self._start(generate)
-        formatter = formatters.CompletionFormatter(request, info, request_id, prompts)
+        formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
         merged = merge_streams(replica_streams)
         if request.stream:
             return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
@@ -154,8 +160,9 @@ class Ingress:
         return prompts
 
     # -- chat ----------------------------------------------------------------------------------
-    async def chat(self, request: ChatCompletionRequest | dict):
-        """A ChatCompletionResponse, or (request.stream) an async iterator of chunks."""
+    async def chat(self, request: ChatCompletionRequest | dict, sse: bool = False):
+        """A ChatCompletionResponse, or (request.stream) an async iterator of chunks (`sse`: as
+        for `completions`)."""
         request = _parse(ChatCompletionRequest, request)
         info = await self._checked_model(request.model)
         prompt = self._chat_prompt(request, info)
@@ -168,7 +175,7 @@ class Ingress:
         generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
                                           num_top if request.logprobs else None, None, info, "messages")
         replica_streams = await self._start([generate])
-        formatter = formatters.ChatFormatter(request, info, request_id)
+        formatter = formatters.ChatFormatter(request, info, request_id, sse)
         merged = merge_streams(replica_streams)
         if request.stream:
             return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
@@ -250,11 +257,13 @@ class Ingress:
                                          f"[0, {info.vocab_size})")
         try:
             params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except ValueError as exc:
-            message = str(exc)
-            raise errors.bad_request(message, message.split(" ", 1)[0]) from None
+        except ParamError as exc:
+            raise errors.bad_request(str(exc), exc.param) from None
+        # A stream wants each step's new tokens; a whole response only the finished request.
+        params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return GenerateRequest(request_id, prompt.token_ids, params, prompt.text,
-                               block_hashes(prompt.token_ids, info.block_size))
+                               block_hashes(prompt.token_ids, info.block_size),
+                               self.channels.channel_id)
 
     async def _start(self, requests: list[GenerateRequest]) -> list[ReplicaStream]:
         """Send every prompt to a replica and wait for each first delta (errors surface here)."""
@@ -262,7 +271,8 @@ class Ingress:
         calls = [functools.partial(send, r) for r in requests]
         if len(calls) > 1:
             calls = [as_own_call(call, i) for i, call in enumerate(calls)]
-        started = [ReplicaStream(call, self._map_error) for call in calls]
+        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer)
+                   for call, r in zip(calls, requests)]
         results = await asyncio.gather(*(s.prime() for s in started), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
@@ -275,7 +285,12 @@ class Ingress:
         return map_replica_error(exc, self.settings.retry_after_s, self.replica_health.mark_dead)
 
     def _record(self, formatter, info: ModelInfo, started: float, replica_streams) -> None:
-        first = min((s.first_delta_time for s in replica_streams if s.first_delta_time), default=None)
+        if formatter.request.stream:
+            first = min((s.first_delta_time for s in replica_streams if s.first_delta_time),
+                        default=None)
+        else:  # only the last output came: the engine timed the first token
+            ttfts = [s.ttft_s for s in formatter.states if s.ttft_s is not None]
+            first = started + min(ttfts) if ttfts else None
         self.metrics.record_request(info.name, started, first, formatter.num_prompt_tokens,
                                     formatter.num_cached_tokens, formatter.num_generated_tokens)
 

@@ -1,75 +1,191 @@
-"""One engine replica's delta stream as seen by the ingress, and the merge of several."""
+"""Engine replicas' outputs as the ingress receives them: each request's stream, the output
+channels shared by many requests, and the merge of several streams."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from replicas.deployment import EngineReplicaDead, GenerateDelta
+from replicas.deployment import ChannelRequest, EngineReplicaDead, ReplicaHello
+from replicas.output_queue import OutputQueue
+from replicas.outputs import RequestOutput
 from serve_app import errors
 from serve_app.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
 _END = object()
+CHANNEL_OPEN_TIMEOUT_S = 10.0
+CHANNEL_RETRY_S = 5.0  # after a channel failed to open or broke, before trying that replica again
+
+
+class OutputChannels:
+    """This ingress replica's output channels (`replicas/output_channel.py`), one per engine
+    replica it has met, and the queue of every request it is waiting on.
+
+    A request names the channel (`channel_id`); a replica where it is open sends the request's
+    outputs there, in batches shared with every other request of this ingress, and a replica
+    where it is not yet open streams them on the request's own call, first naming itself
+    (`ReplicaHello`), so that the channel is opened for the requests after it.
+    """
+
+    def __init__(self, open_call: Callable[[ChannelRequest], Any] | None):
+        self.open_call = open_call  # None: channels off (a request router that cannot pin them)
+        self.channel_id = uuid.uuid4().hex if open_call is not None else None
+        self._queues: dict[str, OutputQueue] = {}
+        self._tasks: dict[str, asyncio.Task] = {}  # engine replica id -> its channel's pump
+        self._retry_at: dict[str, float] = {}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._tasks)
+
+    def register(self, request_id: str) -> OutputQueue:
+        queue = self._queues[request_id] = OutputQueue()
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def met(self, replica_id: str) -> None:
+        if self.open_call is None or replica_id in self._tasks \
+                or time.monotonic() < self._retry_at.get(replica_id, 0.0):
+            return
+        # A context of its own: the channel outlives the request that met the replica, and must not
+        # share its Ray Serve request id (nor be cancelled with it).
+        self._tasks[replica_id] = asyncio.get_running_loop().create_task(
+            self._pump(replica_id), context=contextvars.Context())
+
+    async def _pump(self, replica_id: str) -> None:
+        generator = None
+        try:
+            generator = self.open_call(ChannelRequest(replica_id, self.channel_id))
+            await asyncio.wait_for(generator.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
+            queues = self._queues
+            async for batch in generator:
+                for output in batch:
+                    queue = queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put(output)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure
+            logger.debug("output channel to replica %s ended: %r", replica_id, exc)
+            self._retry_at[replica_id] = time.monotonic() + CHANNEL_RETRY_S
+        finally:
+            self._tasks.pop(replica_id, None)
+            if generator is not None:
+                asyncio.get_running_loop().run_in_executor(None, _cancel_quietly, generator)
+
+    def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+
+
+class StreamPacer:
+    """Spreads one ingress replica's event budget over its open streams.
+
+    Every server-sent event costs the ingress and Ray's proxy a message (~0.1-0.3 ms of CPU each,
+    whatever it holds), so with many streams the path, not the engine, would set the pace. A stream
+    whose previous output left less than `num_streams / events_per_s` ago waits out the rest and
+    then takes everything that piled up as one output; a lone stream, or one slower than its
+    share, never waits.
+    """
+
+    def __init__(self, events_per_s: float):
+        self.events_per_s = events_per_s  # 0: no pacing
+        self.num_streams = 0
+
+    def interval_s(self) -> float:
+        return self.num_streams / self.events_per_s if self.events_per_s else 0.0
 
 
 class ReplicaStream:
-    """One streaming replica call: `prime()` sends it and waits for the first delta, so errors
-    (a full queue, a bad request) surface before a response starts; iteration maps replica errors
-    with `map_error`."""
+    """One replica call: `prime()` sends it and waits for the first output, so errors (a full
+    queue, a bad request) surface before a response starts; iteration yields its outputs,
+    several pending deltas folded into one when the consumer is behind."""
 
-    def __init__(self, send: Callable[[], Any], map_error: Callable[[BaseException], BaseException]):
+    def __init__(self, send: Callable[[], Any], map_error: Callable[[BaseException], BaseException],
+                 channels: OutputChannels, request_id: str, pacer: StreamPacer | None = None):
         self.send = send  # returns a DeploymentResponseGenerator
         self.generator = None
         self.map_error = map_error
-        self.first: GenerateDelta | None = None
+        self.channels = channels
+        self.request_id = request_id
+        self.queue = channels.register(request_id)
+        self.first: RequestOutput | None = None
         self.first_delta_time: float | None = None
         self.finished = False
+        self._pump_task: asyncio.Task | None = None
+        self.pacer = pacer or StreamPacer(0)
 
     async def prime(self) -> None:
         try:
             self.generator = self.send()
-            self.first = await self.generator.__anext__()
-        except StopAsyncIteration:
-            self.finished = True
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+            self.first = await self.queue.get()
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                self.cancel()
-            self.finished = True  # a failed call holds nothing to cancel
+            self.cancel()
             raise self.map_error(exc) from None
         self.first_delta_time = time.monotonic()
+
+    async def _pump(self) -> None:
+        """The call's own stream: outputs (a replica without this ingress's channel), or nothing
+        but its end (the outputs come by the channel); its errors either way."""
+        try:
+            async for item in self.generator:
+                if isinstance(item, ReplicaHello):
+                    self.channels.met(item.replica_id)
+                else:
+                    self.queue.put(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            if not self.finished:
+                self.queue.put(self.map_error(exc))
 
     def cancel(self) -> None:
         """Abort the replica call. Never blocks the event loop: cancelling a call that has not
         reached a replica yet waits for its assignment, so that happens in a thread."""
-        if self.finished or self.generator is None:
+        if self.finished:
             return
         self.finished = True
+        self.channels.unregister(self.request_id)
+        if self.generator is None:
+            return
         if self.first_delta_time is not None:
             _cancel_quietly(self.generator)
         else:
             asyncio.get_running_loop().run_in_executor(None, _cancel_quietly, self.generator)
 
-    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
-        if self.first is not None:
-            first, self.first = self.first, None
-            yield first
-            if first.finished:
-                self.finished = True
-                return
-        while not self.finished:
-            try:
-                delta = await self.generator.__anext__()
-            except StopAsyncIteration:
-                self.finished = True
-                return
-            except BaseException as exc:
-                raise self.map_error(exc) from None
-            self.finished = delta.finished
-            yield delta
+    def _done(self) -> None:
+        self.finished = True
+        self.channels.unregister(self.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        output, self.first = self.first, None
+        pacer = self.pacer
+        pacer.num_streams += 1
+        try:
+            while True:
+                sent = time.monotonic()
+                yield output
+                if output.finished:
+                    return
+                output = await self.queue.get()
+                wait = pacer.interval_s() - (time.monotonic() - sent)
+                if wait > 0 and not output.finished:
+                    await asyncio.sleep(wait)
+                    later = self.queue.get_nowait()
+                    if later is not None:
+                        output.add(later)
+        finally:
+            pacer.num_streams -= 1
+            self._done()
 
 
 def map_replica_error(exc: BaseException, retry_after_s: int,
@@ -89,7 +205,7 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
     if isinstance(cause, (RayActorError, DeploymentUnavailableError)):
         return errors.unavailable("no engine replica is available", retry_after_s)
     if isinstance(cause, ValueError):  # the engine rejected the request
-        return errors.bad_request(str(cause))
+        return errors.bad_request(str(cause), getattr(cause, "param", None))
     logger.error("unexpected error from an engine replica: %r", exc)
     return errors.internal_error(cause)
 
@@ -118,7 +234,7 @@ def _cancel_quietly(generator) -> None:
         pass
 
 
-async def merge_streams(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, GenerateDelta]]:
+async def merge_streams(streams: list[ReplicaStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, delta) as they arrive. One stream is iterated directly (the common case)."""
     if len(streams) == 1:
         async for delta in streams[0]:

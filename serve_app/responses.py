@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.deployment import ChoiceDelta, GenerateDelta
-from replicas.outputs import PositionLogprobs
+from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from serve_app.protocol import (ChoiceLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob,
                                 TopLogprob, Usage)
 
@@ -17,7 +16,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def add(self, delta: ChoiceDelta) -> None:
+    def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         if delta.logprobs:
@@ -35,17 +34,21 @@ class PromptState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     choices: list[ChoiceState] = field(default_factory=list)
+    ttft_s: float | None = None  # the engine's, from arrival to first token (on the last output)
 
     def __post_init__(self):
         self.choices = [ChoiceState() for _ in range(self.n)]
 
-    def add(self, delta: GenerateDelta) -> None:
+    def add(self, delta: RequestOutput) -> None:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        for choice in delta.choices:
+        for choice in delta.outputs:
             self.choices[choice.index].add(choice)
+        metrics = delta.metrics
+        if metrics and metrics.get("first_token_time") is not None:
+            self.ttft_s = metrics["first_token_time"] - metrics["arrival_time"]
 
     @property
     def num_generated_tokens(self) -> int:

@@ -14,11 +14,18 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from replicas.deployment import ChannelRequest
 from serve_app.routing.metrics import RoutingMetrics
 from serve_app.routing.policy import RoutingSettings
 from serve_app.routing.router_state import RouterState
 
 BLOCK_HASHES_KEY = "block_hashes"
+
+
+def pinned_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica an output channel's opening call must reach, if this is one."""
+    args = pending_request.args if pending_request is not None else ()
+    return args[0].replica_id if args and isinstance(args[0], ChannelRequest) else None
 
 
 def request_block_hashes(args: Any, kwargs: Any) -> list[int]:
@@ -57,6 +64,10 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         live = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = pinned_replica(pending_request)
+        if pinned is not None:  # an output channel: that replica or none (the opener times out)
+            pending_request.routing_context.should_backoff = True
+            return [[live[pinned]]] if pinned in live else []
         self._observe(candidate_replicas)
         self.state.retain(live)
         request_id = None
@@ -78,6 +89,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        if pinned_replica(pending_request) is not None:  # a channel, not a routing decision
+            return
         reason = self.state.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
         self.metrics.record_decision(reason)
 

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from replicas.deployment import DeltaTracker, EngineReplicaDead, GenerateDelta
+from replicas.deployment import EngineReplicaDead
 from replicas.outputs import CompletionOutput, Logprob, RequestOutput
 from serve_app.config import ServeSettings
 from serve_app.errors import OpenAIError, from_validation_error
@@ -19,7 +19,12 @@ def test_settings_split_engine_and_serving_keys():
     assert s.engine.model == "/m" and s.engine.max_num_seqs == 8
     assert s.engine.enable_prefix_caching is False and s.engine.num_threads == 1
     assert s.num_replicas == 2 and s.api_keys == ["a", "b"]
-    assert s.replica_ongoing_limit == 8 and s.replica_cpus == 1.0
+    # the batch, plus one slot for the ingress replica's output channel
+    assert s.replica_ongoing_limit == 8 + 1 and s.replica_cpus == 1.0
+    off = ServeSettings.from_args({"max_num_seqs": "8", "output_channels": "false"}, env={})
+    assert off.replica_ongoing_limit == 8 and not off.channels_enabled
+    custom = ServeSettings.from_args({"request_router_class": "x:Y"}, env={})
+    assert not custom.channels_enabled  # only the default router pins a channel to its replica
 
 
 def test_settings_keys_from_environment_and_nested_engine():
@@ -68,36 +73,84 @@ def test_sampling_params_carry_vllm_extras():
     assert params.repetition_penalty == 1.2 and params.stop == ["\n"] and params.logit_bias == {7: 2.0}
 
 
-def output(texts, tokens, finish=None, logprobs=None):
-    return RequestOutput("r", None, [1, 2, 3], [
-        CompletionOutput(i, t, list(tok), logprobs=logprobs, finish_reason=finish)
+def delta(texts, tokens, finish=None, request_id="r"):
+    return RequestOutput(request_id, None, [], [
+        CompletionOutput(i, t, list(tok), finish_reason=finish)
         for i, (t, tok) in enumerate(zip(texts, tokens))], finished=finish is not None,
-        num_cached_tokens=2)
+        num_cached_tokens=2, num_prompt_tokens=3)
 
 
-def test_delta_tracker_sends_only_what_changed():
-    tracker = DeltaTracker(n=2)
-    d1 = tracker.delta(output(["a", ""], [[5], []]))
-    assert [(c.index, c.text, c.token_ids) for c in d1.choices] == [(0, "a", [5])]
-    d2 = tracker.delta(output(["ab", "x"], [[5, 6], [9]]))
-    assert [(c.index, c.text, c.token_ids) for c in d2.choices] == [(0, "b", [6]), (1, "x", [9])]
-    d3 = tracker.delta(output(["ab", "xy"], [[5, 6], [9, 10]], finish="length"))
-    assert [(c.index, c.text, c.finish_reason) for c in d3.choices] == [(0, "", "length"),
-                                                                          (1, "y", "length")]
-    assert d3.finished and d3.num_prompt_tokens == 3 and d3.num_cached_tokens == 2
+def test_request_output_add_folds_deltas_per_completion():
+    first = delta(["a"], [[5]])
+    first.add(RequestOutput("r", None, [], [CompletionOutput(1, "x", [9])], num_prompt_tokens=3))
+    first.add(delta(["bc", "y"], [[6, 7], [10]], finish="length"))
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in first.outputs] == [
+        (0, "abc", [5, 6, 7], "length"), (1, "xy", [9, 10], "length")]
+    assert first.finished and first.num_cached_tokens == 2
+
+
+def test_output_queue_hands_a_late_consumer_one_folded_output():
+    from replicas.output_queue import OutputQueue
+
+    async def run():
+        queue = OutputQueue()
+        queue.put(delta(["He"], [[1]]))
+        queue.put(delta(["l"], [[2]]))
+        queue.put(delta(["lo"], [[3]], finish="stop"))
+        queue.put(delta(["ignored"], [[4]]))  # after the end
+        return [o async for o in queue]
+
+    outputs = asyncio.run(run())
+    assert len(outputs) == 1 and outputs[0].outputs[0].text == "Hello"
+    assert outputs[0].outputs[0].token_ids == [1, 2, 3] and outputs[0].finished
+
+
+def test_output_queue_raises_a_pending_error():
+    from replicas.output_queue import OutputQueue
+
+    async def run():
+        queue = OutputQueue()
+        queue.put(delta(["a"], [[1]]))
+        queue.put(ValueError("boom"))
+        return await queue.get()
+
+    with pytest.raises(ValueError, match="boom"):
+        asyncio.run(run())
+
+
+@pytest.mark.parametrize("text", ["hi", 'a\nb\t"q"\\', "é日本🙂", "\u2028\x00\x1f\x7f", ""])
+def test_sse_text_events_are_the_models_bytes(text):
+    from serve_app.formatters import ChatFormatter, CompletionFormatter
+    from serve_app.protocol import (ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice,
+                                    CompletionStreamResponse, DeltaMessage)
+
+    class Info:
+        name, tokenizer = "my-model", None
+
+    completion = CompletionRequest(prompt="x", stream=True)
+    f = CompletionFormatter(completion, Info, "cmpl-1", ["x"], sse=True)
+    expected = CompletionStreamResponse(id="cmpl-1", created=f.created, model="my-model",
+                                        choices=[CompletionChoice(index=3, text=text)])
+    assert f._text_event(3, text) == f"data: {expected.model_dump_json()}\n\n"
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
+    g = ChatFormatter(chat, Info, "chatcmpl-1", sse=True)
+    expected = ChatCompletionStreamResponse(id="chatcmpl-1", created=g.created, model="my-model",
+                                            choices=[ChatStreamChoice(index=3,
+                                                                      delta=DeltaMessage(content=text))])
+    assert g._text_event(3, text) == f"data: {expected.model_dump_json()}\n\n"
 
 
 def test_chat_stream_chunk_order():
     from serve_app.formatters import ChatFormatter
-    from replicas.deployment import ChoiceDelta
 
     class Info:
         name, tokenizer = "m", None
 
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
                                     stream_options={"include_usage": True})
-    deltas = [GenerateDelta("r", [ChoiceDelta(0, "Hel", [1])], 4, 0, False),
-              GenerateDelta("r", [ChoiceDelta(0, "lo", [2], finish_reason="stop")], 4, 0, True)]
+    deltas = [RequestOutput("r", None, [], [CompletionOutput(0, "Hel", [1])], num_prompt_tokens=4),
+              RequestOutput("r", None, [], [CompletionOutput(0, "lo", [2], finish_reason="stop")],
+                            finished=True, num_prompt_tokens=4)]
 
     async def merged():
         for d in deltas:

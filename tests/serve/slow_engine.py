@@ -1,0 +1,22 @@
+"""The real AsyncEngine, each step made STEP_DELAY_S longer: long generations on a tiny model,
+so that a test can act (kill a replica) while streams are in flight."""
+from __future__ import annotations
+
+import time
+
+from replicas.async_engine import AsyncEngine
+from replicas.config import EngineConfig
+
+STEP_DELAY_S = 0.02
+
+
+class SlowEngine(AsyncEngine):
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        step = self.engine.step
+
+        def slow_step():
+            time.sleep(STEP_DELAY_S)  # in the engine's step thread, like a slow forward
+            return step()
+
+        self.engine.step = slow_step

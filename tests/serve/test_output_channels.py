@@ -1,0 +1,147 @@
+"""Output channels and coalesced streams over real Ray Serve and HTTP.
+
+The app here paces hard (a few events per second per stream), so every stream carries several
+tokens per event; its engine is slowed so that a replica can be killed mid-stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, deploy, replica_stats, wait_for
+
+APP = "channels"
+PREFIX = "/channels"
+
+
+@pytest.fixture(scope="module")
+def coalesced(cluster, tiny_model_dir):
+    deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5,
+                max_stream_events_per_s=10, health_check_period_s=1.0,
+                engine_class="tests.serve.slow_engine:SlowEngine", **ENGINE_ARGS), APP, PREFIX)
+    yield f"{cluster.base_url}{PREFIX}"
+    from ray import serve
+    serve.delete(APP)
+
+
+def events(response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_coalesced_stream_joins_to_the_non_streamed_text(coalesced):
+    body = {"model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens": 60,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=coalesced, timeout=60) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        for _ in range(2):  # the first request may stream on its own call, the next by channel
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                chunks = [json.loads(e) for e in events(r) if e != "[DONE]"]
+            texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+            assert "".join(texts) == whole
+            assert len([t for t in texts if t]) < 30, "60 tokens in about as many events: not coalesced"
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_coalesced_n2_logprobs_chunks_stay_well_formed(coalesced):
+    body = {"model": MODEL_NAME, "prompt": "paged attention", "max_tokens": 40, "ignore_eos": True,
+            "temperature": 0, "n": 2, "logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=coalesced, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [json.loads(e) for e in events(r) if e != "[DONE]"]
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        whole = http.post("/v1/completions", json=plain).json()
+    tokens = {0: [], 1: []}
+    tops = {0: [], 1: []}
+    text = {0: "", 1: ""}
+    multi = 0
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            lp = choice["logprobs"]
+            if lp is None:
+                assert choice["text"] == "" and choice["finish_reason"] == "length"
+                continue
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) \
+                == len(lp["text_offset"])
+            tops[choice["index"]] += lp["top_logprobs"]
+            assert lp["text_offset"][0] == len(text[choice["index"]])
+            multi += len(lp["tokens"]) > 1
+            tokens[choice["index"]] += lp["tokens"]
+            text[choice["index"]] += choice["text"]
+    assert multi, "no chunk carried several tokens"
+    assert len(tokens[0]) == len(tokens[1]) == 40
+    assert chunks[-1]["usage"]["completion_tokens"] == 80
+    assert [text[0], text[1]] == [c["text"] for c in whole["choices"]]
+    for i, c in enumerate(whole["choices"]):
+        assert tokens[i] == c["logprobs"]["tokens"] and tops[i] == c["logprobs"]["top_logprobs"]
+
+
+def test_disconnect_mid_coalesced_stream_frees_the_blocks(coalesced):
+    body = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=coalesced, timeout=60) as http:
+        for _ in range(2):  # on its own call, then by channel
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert any(next(lines).startswith("data: {") for _ in range(4))
+
+    def all_free():
+        return all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_requests"] == 0
+                   for s in replica_stats(APP, 2).values())
+
+    wait_for(all_free, 15, 0.2, "every KV block to be free")
+
+
+def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
+    import ray
+
+    body = {"model": MODEL_NAME, "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+
+    async def one(http, i, started):
+        outcome = {"tokens": 0, "error": None, "done": False, "finish": None}
+        async with http.stream("POST", "/v1/completions",
+                               json={**body, "prompt": f"request number {i} of eight"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    outcome["done"] = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    outcome["error"] = event["error"]
+                    continue
+                started.add(i)
+                outcome["finish"] = event["choices"][0]["finish_reason"] or outcome["finish"]
+        return outcome
+
+    async def run():
+        started: set[int] = set()
+        async with httpx.AsyncClient(base_url=coalesced, timeout=120) as http:
+            await one(http, -1, set())  # meet both replicas' channels ...
+            await one(http, -2, set())
+            tasks = [asyncio.create_task(one(http, i, started)) for i in range(8)]
+            while len(started) < 8:
+                await asyncio.sleep(0.05)
+            stats = await asyncio.to_thread(replica_stats, APP, 2)
+            victim, held = max(((rid, s["num_requests"]) for rid, s in stats.items()),
+                               key=lambda kv: kv[1])
+            name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                        if victim in a["name"] and "EngineReplica" in a["name"])
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            return held, await asyncio.gather(*tasks)
+
+    held, outcomes = asyncio.run(run())
+    failed = [o for o in outcomes if o["error"] is not None]
+    assert 0 < held < 8 and len(failed) == held, (held, outcomes)
+    for o in failed:
+        assert o["done"] and o["error"]["code"] == "service_unavailable", o
+    for o in outcomes:
+        if o["error"] is None:
+            assert o["done"] and o["finish"] == "length", o

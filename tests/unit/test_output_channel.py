@@ -1,0 +1,113 @@
+"""Output channels, the request router's pin for them, and stream pacing, without Ray."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from replicas.deployment import ChannelRequest, GenerateRequest, ReplicaHello
+from replicas.output_channel import OutputChannel
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.sampling_params import SamplingParams
+from serve_app.replica_stream import OutputChannels, ReplicaStream, StreamPacer
+from serve_app.routing.router import pinned_replica
+
+
+def delta(request_id: str, text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, None, [], [CompletionOutput(0, text, [len(text)],
+                                                                 finish_reason="stop" if finished else None)],
+                         finished=finished, num_prompt_tokens=2)
+
+
+def test_a_channel_sends_one_batch_per_wakeup_with_each_request_folded():
+    async def run():
+        channel = OutputChannel(idle_timeout_s=0.05)
+        channel.attach("a")
+        channel.attach("b")
+        batches = channel.batches()
+        channel.put(delta("a", "x"))
+        channel.put(delta("b", "y"))
+        channel.put(delta("a", "z"))  # same step or later, before the batch left: folded
+        first = await anext(batches)
+        channel.put(delta("b", "!", finished=True))
+        second = await anext(batches)
+        channel.detach("a")
+        channel.detach("b")
+        rest = [b async for b in batches]  # idle: the channel ends itself
+        return first, second, rest, channel.closed
+
+    first, second, rest, closed = asyncio.run(run())
+    assert [(o.request_id, o.outputs[0].text) for o in first] == [("a", "xz"), ("b", "y")]
+    assert [(o.request_id, o.outputs[0].text, o.finished) for o in second] == [("b", "!", True)]
+    assert rest == [] and closed
+
+
+def test_a_channel_with_requests_never_idles_out():
+    async def run():
+        channel = OutputChannel(idle_timeout_s=0.01)
+        channel.attach("a")
+        batches = channel.batches()
+        waiter = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0.1)
+        assert not waiter.done() and not channel.closed
+        channel.put(delta("a", "late"))
+        return await waiter
+
+    assert [o.outputs[0].text for o in asyncio.run(run())] == ["late"]
+
+
+def test_the_router_pins_channel_calls_only():
+    pending = SimpleNamespace(args=(ChannelRequest("replica-1", "ingress-a"),), kwargs={})
+    assert pinned_replica(pending) == "replica-1"
+    request = GenerateRequest("r", [1, 2], SamplingParams(), channel_id="ingress-a")
+    assert pinned_replica(SimpleNamespace(args=(request,), kwargs={})) is None
+    assert pinned_replica(None) is None
+
+
+class FakeCall:
+    """A replica call's generator: yields what it is given, then ends."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.items = []
+
+
+def test_a_stream_on_its_own_call_names_its_replica_and_a_paced_consumer_gets_folded_outputs():
+    opened = []
+
+    def open_call(request: ChannelRequest):
+        opened.append(request)
+        return FakeCall([])
+
+    async def run():
+        channels = OutputChannels(open_call)
+        outputs = [ReplicaHello("replica-7")] + [delta("r", c) for c in "abcde"] + \
+            [delta("r", "!", finished=True)]
+        stream = ReplicaStream(lambda: FakeCall(outputs), lambda exc: exc, channels, "r",
+                               StreamPacer(events_per_s=10))  # one stream: 100 ms apart
+        await stream.prime()
+        got = [o.outputs[0].text async for o in stream]
+        await asyncio.sleep(0.01)
+        return got
+
+    got = asyncio.run(run())
+    assert "".join(got) == "abcde!" and len(got) < 6, got
+    assert opened and opened[0].replica_id == "replica-7"
+
+
+def test_pacing_spreads_the_budget_over_open_streams():
+    pacer = StreamPacer(events_per_s=1000)
+    assert pacer.interval_s() == 0
+    pacer.num_streams = 32
+    assert pacer.interval_s() == 0.032
+    assert StreamPacer(0).interval_s() == 0.0
