@@ -9,6 +9,7 @@ serving.png.
 
     python -m bench.serving [--model DIR|tiny] [--threads 1] [--replicas 1] [--num-prompts 32] [--input-len 128] [--output-len 64]
                             [--request-rates 1,4,inf] [--concurrency 1,8,32] [--systems pagedserve,vllm]
+                            [--rounds 1]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -179,6 +181,22 @@ def run_system(args, system: str, model_dir: str, workdir: Path) -> dict:
     return results
 
 
+def median_results(rounds: list[dict]) -> dict:
+    """Per sweep point, the median of each figure over the rounds (failures summed)."""
+    merged = {}
+    for label in rounds[0]:
+        point = merged[label] = {}
+        for key in rounds[0][label]:
+            values = [r[label][key] for r in rounds]
+            if key == "failed":
+                point[key] = sum(values)
+            elif all(isinstance(v, (int, float)) for v in values):
+                point[key] = statistics.median(values)
+            else:
+                point[key] = values[0]
+    return merged
+
+
 def ratio_table(results: dict, base: str = "vllm", ours: str = "pagedserve") -> dict:
     """ours / base per sweep point: throughputs (higher is better) and latencies (lower is better)."""
     ratios = {}
@@ -247,6 +265,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each system, alternating; medians are reported")
     parser.add_argument("--startup-timeout-s", type=float, default=600)
     parser.add_argument("--point-timeout-s", type=float, default=900)
     args = parser.parse_args()
@@ -259,13 +279,16 @@ def main() -> None:
         model_dir = build_tiny(tempfile.mkdtemp(prefix="bench-serving-tiny-"))
     else:
         model_dir = resolve_model(args.model)
-    results = {}
+    systems = [s for s in args.systems.split(",") if s]
+    rounds: dict[str, list[dict]] = {system: [] for system in systems}
     with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
-        for system in [s for s in args.systems.split(",") if s]:
-            workdir = Path(tmp) / system
-            workdir.mkdir()
-            results[system] = run_system(args, system, model_dir, workdir)
-    summary = {"config": vars(args), "model_dir": model_dir, "results": results}
+        for round_ in range(args.rounds):  # alternating, so drift on a shared machine hits both
+            for system in systems:
+                workdir = Path(tmp) / f"{system}-{round_}"
+                workdir.mkdir()
+                rounds[system].append(run_system(args, system, model_dir, workdir))
+    results = {system: median_results(r) for system, r in rounds.items()}
+    summary = {"config": vars(args), "model_dir": model_dir, "results": results, "rounds": rounds}
     if "pagedserve" in results and "vllm" in results:
         summary["ratios_pagedserve_over_vllm"] = ratio_table(results)
     print("wrote", write_result("serving", summary))

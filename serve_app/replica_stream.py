@@ -15,6 +15,7 @@ from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from serve_app import errors
 from serve_app.errors import OpenAIError
+from serve_app.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,8 @@ class OutputChannels:
         self._tasks: dict[str, asyncio.Task] = {}  # engine replica id -> its channel's pump
         self._retry_at: dict[str, float] = {}
 
-    @property
-    def num_open(self) -> int:
-        return len(self._tasks)
-
     def register(self, request_id: str) -> OutputQueue:
-        queue = self._queues[request_id] = OutputQueue()
+        self._queues[request_id] = queue = OutputQueue()
         return queue
 
     def unregister(self, request_id: str) -> None:
@@ -80,28 +77,6 @@ class OutputChannels:
             self._tasks.pop(replica_id, None)
             if generator is not None:
                 asyncio.get_running_loop().run_in_executor(None, _cancel_quietly, generator)
-
-    def close(self) -> None:
-        for task in list(self._tasks.values()):
-            task.cancel()
-
-
-class StreamPacer:
-    """Spreads one ingress replica's event budget over its open streams.
-
-    Every server-sent event costs the ingress and Ray's proxy a message (~0.1-0.3 ms of CPU each,
-    whatever it holds), so with many streams the path, not the engine, would set the pace. A stream
-    whose previous output left less than `num_streams / events_per_s` ago waits out the rest and
-    then takes everything that piled up as one output; a lone stream, or one slower than its
-    share, never waits.
-    """
-
-    def __init__(self, events_per_s: float):
-        self.events_per_s = events_per_s  # 0: no pacing
-        self.num_streams = 0
-
-    def interval_s(self) -> float:
-        return self.num_streams / self.events_per_s if self.events_per_s else 0.0
 
 
 class ReplicaStream:
@@ -174,18 +149,23 @@ class ReplicaStream:
             while True:
                 sent = time.monotonic()
                 yield output
+                pacer.sent()
                 if output.finished:
+                    self._done()
                     return
-                output = await self.queue.get()
-                wait = pacer.interval_s() - (time.monotonic() - sent)
-                if wait > 0 and not output.finished:
-                    await asyncio.sleep(wait)
-                    later = self.queue.get_nowait()
-                    if later is not None:
-                        output.add(later)
-        finally:
+                try:
+                    output = await self.queue.get()
+                    wait = pacer.interval_s() - (time.monotonic() - sent)
+                    if wait > 0 and not output.finished:
+                        await asyncio.sleep(wait)
+                        later = self.queue.get_nowait()
+                        if later is not None:
+                            output.add(later)
+                except Exception:  # the call failed: nothing is left to cancel
+                    self._done()
+                    raise
+        finally:  # a consumer that left early still has to cancel() the call
             pacer.num_streams -= 1
-            self._done()
 
 
 def map_replica_error(exc: BaseException, retry_after_s: int,

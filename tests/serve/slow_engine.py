@@ -7,7 +7,7 @@ import time
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 
-STEP_DELAY_S = 0.02
+STEP_DELAY_S = 0.005
 
 
 class SlowEngine(AsyncEngine):

@@ -1,7 +1,7 @@
 """Output channels and coalesced streams over real Ray Serve and HTTP.
 
-The app here paces hard (a few events per second per stream), so every stream carries several
-tokens per event; its engine is slowed so that a replica can be killed mid-stream.
+The app here paces as hard as it can (max_stream_delay_s between a stream's events), so every stream
+carries several tokens per event; its engine is slowed so that a replica can be killed mid-stream.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ PREFIX = "/channels"
 @pytest.fixture(scope="module")
 def coalesced(cluster, tiny_model_dir):
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5,
-                max_stream_events_per_s=10, health_check_period_s=1.0,
+                max_stream_events_per_s=1, health_check_period_s=1.0,
                 engine_class="tests.serve.slow_engine:SlowEngine", **ENGINE_ARGS), APP, PREFIX)
     yield f"{cluster.base_url}{PREFIX}"
     from ray import serve
@@ -98,7 +98,7 @@ def test_disconnect_mid_coalesced_stream_frees_the_blocks(coalesced):
 def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
     import ray
 
-    body = {"model": MODEL_NAME, "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+    body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True, "temperature": 0,
             "stream": True}
 
     async def one(http, i, started):

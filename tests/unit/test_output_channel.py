@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from replicas.deployment import ChannelRequest, GenerateRequest, ReplicaHello
 from replicas.output_channel import OutputChannel
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.sampling_params import SamplingParams
-from serve_app.replica_stream import OutputChannels, ReplicaStream, StreamPacer
+from serve_app.replica_stream import OutputChannels, ReplicaStream
+from serve_app.stream_pacer import StreamPacer
 from serve_app.routing.router import pinned_replica
 
 
@@ -80,6 +83,7 @@ class FakeCall:
 
     def cancel(self):
         self.items = []
+        self.cancelled = True
 
 
 def test_a_stream_on_its_own_call_names_its_replica_and_a_paced_consumer_gets_folded_outputs():
@@ -108,6 +112,98 @@ def test_a_stream_on_its_own_call_names_its_replica_and_a_paced_consumer_gets_fo
 def test_pacing_spreads_the_budget_over_open_streams():
     pacer = StreamPacer(events_per_s=1000)
     assert pacer.interval_s() == 0
-    pacer.num_streams = 32
-    assert pacer.interval_s() == 0.032
+    pacer.num_streams = 16
+    assert pacer.interval_s() == 0.016
+    pacer.num_streams = 64
+    assert pacer.interval_s() == 0.02  # never longer than max_delay_s (20 ms)
     assert StreamPacer(0).interval_s() == 0.0
+
+
+def test_an_adaptive_pacer_budgets_events_by_their_measured_cpu_cost():
+    clock = {"wall": 0.0, "cpu": 0.0}
+    pacer = StreamPacer(cpu_share=0.5, clock=lambda: clock["wall"], cpu_clock=lambda: clock["cpu"])
+    for _ in range(1000):  # one second: 1000 events at 1 ms of CPU each
+        clock["wall"] += 0.001
+        clock["cpu"] += 0.001
+        pacer.sent()
+    assert pacer.events_per_s == pytest.approx(500)  # half a core's worth
+    pacer.num_streams = 5
+    assert pacer.interval_s() == pytest.approx(0.01)
+    for _ in range(10):  # a quiet second: too few events to measure, the estimate stays
+        clock["wall"] += 0.1
+        pacer.sent()
+    assert pacer.events_per_s == pytest.approx(500)
+    fixed = StreamPacer(events_per_s=250)
+    fixed.sent()
+    assert fixed.events_per_s == 250 and not fixed.adaptive
+
+
+def test_a_consumer_that_leaves_early_cancels_the_call():
+    call = FakeCall([delta("r", c) for c in "abcdef"])
+
+    async def run():
+        channels = OutputChannels(None)
+        stream = ReplicaStream(lambda: call, lambda exc: exc, channels, "r")
+        await stream.prime()
+        iterator = stream.__aiter__()
+        await anext(iterator)
+        await iterator.aclose()  # the client went away
+        stream.cancel()  # what the ingress does then
+        return channels
+
+    channels = asyncio.run(run())
+    assert getattr(call, "cancelled", False) and "r" not in channels._queues
+
+
+class FakeEngine:
+    """The AsyncEngine surface a replica's channel path uses."""
+
+    def __init__(self):
+        self.receivers, self.aborted = {}, []
+
+    def add_request(self, request_id, prompt, params, on_output):
+        self.receivers[request_id] = on_output
+
+    def abort_nowait(self, request_id):
+        self.aborted.append(request_id)
+
+    def is_healthy(self):
+        return True
+
+
+def bare_replica():
+    from replicas.deployment import EngineReplica
+
+    replica = EngineReplica.__new__(EngineReplica)  # no Ray, no model: the channel logic only
+    replica.engine, replica.replica_id = FakeEngine(), "replica-1"
+    replica._channels, replica._channel_requests = {}, {}
+    return replica
+
+
+def test_requests_by_channel_finish_cleanly_and_die_with_their_channel():
+    from replicas.output_channel import ChannelClosed
+
+    async def run():
+        replica = bare_replica()
+        channel = replica.open_channel(ChannelRequest("replica-1", "ingress-a"))
+        assert await anext(channel) == []
+        calls = {rid: replica.generate(GenerateRequest(rid, [1, 2], SamplingParams(),
+                                                       channel_id="ingress-a"))
+                 for rid in ("done", "cut")}
+        waits = {rid: asyncio.ensure_future(anext(call)) for rid, call in calls.items()}
+        await asyncio.sleep(0)
+        replica.engine.receivers["done"](delta("done", "all", finished=True))
+        replica.engine.receivers["cut"](delta("cut", "half"))
+        batch = await anext(channel)
+        with pytest.raises(StopAsyncIteration):  # yields nothing: its outputs went by channel
+            await waits["done"]
+        await channel.aclose()  # the ingress went away mid-request
+        with pytest.raises(ChannelClosed):
+            await waits["cut"]
+        return replica, batch
+
+    replica, batch = asyncio.run(run())
+    assert sorted((o.request_id, o.outputs[0].text) for o in batch) == [("cut", "half"),
+                                                                          ("done", "all")]
+    assert replica.engine.aborted == ["cut"]  # the finished one is not aborted
+    assert replica._channels == {} and replica._channel_requests == {}

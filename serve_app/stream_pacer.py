@@ -1,0 +1,62 @@
+"""StreamPacer: one ingress replica's budget of server-sent events, shared by its open streams.
+
+Every event costs the ingress and Ray's proxy a Ray message (a few hundred microseconds of CPU
+each on a small CPU, nearly all of it in Ray's core worker, whatever the event holds), so with
+many streams the serving path, not the engine, would set the pace. A stream whose previous event
+left less than `open streams / events_per_s` ago (and never more than `max_delay_s`) waits out
+the rest, then sends everything that piled up as one event; a lone stream, or one slower than its
+share, never waits.
+
+The budget is measured, not guessed (unless `events_per_s` is given): each window, this process's
+CPU time per event sent, and the events per second that keep it at `cpu_share` of a core. A fast
+machine gets a large budget (no waiting), a small one a tight one; an idle ingress keeps its last
+estimate.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+INITIAL_EVENTS_PER_S = 4000.0  # until the first window has measured the cost
+MIN_EVENTS_PER_S = 100.0
+MAX_EVENTS_PER_S = 100_000.0
+CPU_SHARE = 0.5  # of one core, for this ingress replica's streams
+# The longest a stream ever waits (the default): under it a reader sees a steady stream.
+MAX_DELAY_S = 0.02
+WINDOW_S = 1.0
+MIN_EVENTS_PER_WINDOW = 100  # fewer say little about the cost of one
+
+
+class StreamPacer:
+    def __init__(self, events_per_s: float | None = None, max_delay_s: float = MAX_DELAY_S,
+                 cpu_share: float = CPU_SHARE, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.process_time):
+        self.adaptive = events_per_s is None
+        self.events_per_s = INITIAL_EVENTS_PER_S if events_per_s is None else events_per_s  # 0: off
+        self.max_delay_s = max_delay_s
+        self.cpu_share = cpu_share
+        self.num_streams = 0
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._window_start, self._window_cpu = clock(), cpu_clock()
+        self._window_events = 0
+
+    def interval_s(self) -> float:
+        """How long a stream waits after its previous event before the next."""
+        if not self.events_per_s:
+            return 0.0
+        return min(self.num_streams / self.events_per_s, self.max_delay_s)
+
+    def sent(self) -> None:
+        """Count one event; at the end of a window, re-measure the budget."""
+        if not self.adaptive:
+            return
+        self._window_events += 1
+        now = self._clock()
+        if now - self._window_start < WINDOW_S:
+            return
+        cpu = self._cpu_clock()
+        if self._window_events >= MIN_EVENTS_PER_WINDOW:
+            cpu_per_event = max((cpu - self._window_cpu) / self._window_events, 1e-9)
+            self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
+                                    MAX_EVENTS_PER_S)
+        self._window_start, self._window_cpu, self._window_events = now, cpu, 0
