@@ -85,7 +85,7 @@ def _list_execute(runner: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                                   dtype=torch.int32, device=dev),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, query_start_loc_cpu=starts)
     hidden = runner.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                           torch.tensor(positions, dtype=torch.int64, device=dev),
                           runner.kv_caches, metadata)

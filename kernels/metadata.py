@@ -38,6 +38,7 @@ class AttentionMetadata:
     # Host-side copies, so CPU paths never sync on a device tensor.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]  # [batch + 1]
 
     @property
     def num_seqs(self) -> int:
@@ -75,4 +76,5 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            query_start_loc_cpu=starts,
         )

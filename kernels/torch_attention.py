@@ -48,9 +48,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     use_native=False keeps float32 decodes on the torch path (tests and benchmarks compare them).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
-    starts = [0]
-    for q_len in metadata.query_lens_cpu:
-        starts.append(starts[-1] + q_len)
+    starts = metadata.query_start_loc_cpu
     decodes = [b for b, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
     if decodes and use_native and _native_decode(query, kv_cache):
         if not query[0].is_contiguous():  # strided rows are fine, strided heads are not

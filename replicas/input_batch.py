@@ -145,6 +145,7 @@ class InputBatch:
             block_tables=self.block_tables.to_device(num_seqs * width).view(num_seqs, width),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc_cpu=query_start_loc.tolist(),
         )
         step = StepInputs(self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens),
                           metadata, self.logits_indices.to_device(len(sampling_items)),
