@@ -78,8 +78,11 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def ingress_options(settings: ServeSettings) -> dict[str, Any]:
+    # An ingress replica that stops holds streams too: it drains at least as long as the engine's.
+    drain_s = replica_options(settings)["graceful_shutdown_timeout_s"]
     return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
                 max_ongoing_requests=settings.ingress_max_ongoing_requests,
+                graceful_shutdown_timeout_s=drain_s,
                 logging_config={"enable_access_log": settings.access_log},
                 ray_actor_options={"num_cpus": settings.ingress_num_cpus,
                                    "runtime_env": {"env_vars": REPLICA_ENV}})
@@ -91,7 +94,8 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
         settings = ServeSettings.from_args(settings)
     replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
         settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s)
-    return serve.deployment(Ingress, **ingress_options(settings)).bind(replica, settings)
+    return serve.deployment(Ingress, **ingress_options(settings)).bind(
+        replica, settings.ingress_settings().model_dump())
 
 
 def app(args: dict[str, str]) -> Application:

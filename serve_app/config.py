@@ -33,6 +33,20 @@ DEFAULTS = dict(
 )
 
 
+class IngressSettings(BaseModel):
+    """What the ingress replicas are built with: only what they use, so that a change to replica
+    counts, autoscaling or routing is not a new ingress version (Ray Serve then updates in place
+    instead of restarting the ingress and cutting its streams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[str] = Field(default_factory=list)
+    retry_after_s: int = DEFAULTS["retry_after_s"]
+    output_channels: bool = True  # ServeSettings.channels_enabled
+    max_stream_events_per_s: float | None = None
+    max_stream_delay_s: float = DEFAULTS["max_stream_delay_s"]
+
+
 class ServeSettings(BaseModel):
     """Everything `serve_app.app.build_app` needs; `engine` is handed to every replica as is."""
 
@@ -121,6 +135,12 @@ class ServeSettings(BaseModel):
     @property
     def channels_enabled(self) -> bool:
         return self.output_channels and self.request_router_class in (None, DEFAULT_REQUEST_ROUTER)
+
+    def ingress_settings(self) -> IngressSettings:
+        return IngressSettings(api_keys=self.api_keys, retry_after_s=self.retry_after_s,
+                               output_channels=self.channels_enabled,
+                               max_stream_events_per_s=self.max_stream_events_per_s,
+                               max_stream_delay_s=self.max_stream_delay_s)
 
     @property
     def replica_ongoing_limit(self) -> int:

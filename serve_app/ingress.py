@@ -27,7 +27,7 @@ from replicas.block_hash import block_hashes
 from replicas.deployment import GenerateRequest
 from replicas.sampling_params import ParamError, RequestOutputKind
 from serve_app import errors, formatters
-from serve_app.config import ServeSettings
+from serve_app.config import IngressSettings
 from serve_app.errors import OpenAIError
 from serve_app.health import ReplicaHealth
 from serve_app.metrics import IngressMetrics
@@ -64,12 +64,12 @@ class Prompt:
 class Ingress:
     """Front door of the application; one instance per ingress replica."""
 
-    async def __init__(self, engine_replica, settings: ServeSettings | dict):
-        self.settings = ServeSettings.model_validate(settings)
+    async def __init__(self, engine_replica, settings: IngressSettings | dict):
+        self.settings = IngressSettings.model_validate(settings)
         self.replica = engine_replica
         self.replica_stream = engine_replica.options(stream=True)
         self.channels = OutputChannels(self.replica_stream.open_channel.remote
-                                       if self.settings.channels_enabled else None)
+                                       if self.settings.output_channels else None)
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None

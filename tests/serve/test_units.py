@@ -202,3 +202,28 @@ def test_fanned_out_calls_each_get_their_own_request_id():
 
     assert asyncio.run(main()) == "parent"  # the parent's own id is untouched
     assert sorted(seen) == ["parent-0", "parent-1", "parent-2"]
+
+
+def test_replica_counts_autoscaling_and_routing_are_not_ingress_constructor_arguments():
+    """Ray Serve updates a deployment in place (no restart, no cut stream) when only its options
+    change: settings that steer the engine replicas must not reach the ingress's arguments."""
+    from serve_app import build_app
+
+    def ingress_args(**changes):
+        return build_app({"model": None, **changes})._bound_deployment.init_args[1]
+
+    base = ingress_args()
+    for changes in ({"num_replicas": 3}, {"min_replicas": 1, "max_replicas": 4},
+                    {"target_queue_depth": 8}, {"max_queued_requests": 5},
+                    {"request_router_kwargs": '{"load_override_threshold": 2}'},
+                    {"replica_max_ongoing_requests": 7}, {"graceful_shutdown_timeout_s": 90}):
+        assert ingress_args(**changes) == base, changes
+    assert ingress_args(api_keys="k")["api_keys"] == ["k"]  # what the ingress does use, it gets
+
+
+def test_the_ingress_drains_as_long_as_the_engine_replicas():
+    from serve_app.app import ingress_options, replica_options
+
+    s = ServeSettings.from_args({"min_replicas": 1, "max_replicas": 2}, env={})
+    assert ingress_options(s)["graceful_shutdown_timeout_s"] \
+        == replica_options(s)["graceful_shutdown_timeout_s"] > 20
