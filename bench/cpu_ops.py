@@ -1,15 +1,17 @@
 """Native CPU ops other than attention, each against what it replaces, timed in the same run:
 RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, and a whole step's
-projections on the native packed-panel GEMM vs MKL (torch's F.linear) vs oneDNN on prepacked
-weights. Part of `python -m bench.kernels --cpu`.
+projections on the native packed-panel GEMM (AVX2, and AVX-512 where the CPU has it) vs MKL
+(torch's F.linear) vs oneDNN on prepacked weights. Part of `python -m bench.kernels --cpu`.
 """
 from __future__ import annotations
+
+import platform
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import max_error, time_interleaved
-from kernels import native, norm_act
+from kernels import cpu_features, native, norm_act
 
 
 def run_norm_act(args) -> list[dict]:
@@ -50,10 +52,19 @@ def run_norm_act(args) -> list[dict]:
     return rows
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def run_linear(args) -> list[dict]:
     """A whole step's projections (every layer's q/k/v, o, gate/up, down with its own weights, so
     they stream from memory as in the model, plus lm_head): MKL's F.linear, oneDNN on prepacked
-    weights, and the native packed-panel GEMM, at decode-to-prefill row counts."""
+    weights, and the native packed-panel GEMM of every CPU level this CPU runs (AVX2, AVX-512),
+    at decode-to-prefill row counts. The ratios are for the level the engine loads."""
     q_size = args.heads * args.head_dim
     shapes = [(q_size + 2 * args.kv_heads * args.head_dim, args.hidden), (args.hidden, q_size),
               (2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
@@ -63,14 +74,23 @@ def run_linear(args) -> list[dict]:
                   "onednn": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p["onednn"], None,
                                                                               "none", [], "")}
     packs = [{"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 64)} for w in weights]
+    levels = []
     if native.linear_available():
-        contenders["native"] = lambda x, w, p: native.linear(x, p["native"], w.shape[0])
+        detected = cpu_features.LEVELS.index(cpu_features.detected_level())
+        levels = [lv for lv in ("avx2", "avx512") if cpu_features.LEVELS.index(lv) <= detected]
+    for level in levels:
+        name = f"native_{level}"
+        contenders[name] = lambda x, w, p, name=name: native.linear(x, p[name], w.shape[0])
         for w, p in zip(weights, packs):
-            p["native"] = native.pack_linear_weight(w)
+            p[name] = native.pack_linear_weight(w, level)
+    best = f"native_{native.cpu_level()}" if levels else None
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"\nfloat32 projections of one step ({args.layers} layers + lm_head, "
-          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s); ms per step and GFLOP/s")
-    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders) + f" {'x mkl':>7} {'x onednn':>8}")
+          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s), {_cpu_name()}, "
+          f"native level {native.cpu_level()}; ms per step and GFLOP/s; ratios for {best}")
+    ratios = ["x mkl", "x onednn"] + (["x avx2"] if "native_avx512" in contenders else [])
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders)
+          + "".join(f" {r:>8}" for r in ratios))
     rows = []
     for count in [1, 4, 16, 64, 256] + ([] if args.quick else [1024]):
         xs = {k: torch.randn(count, k) for k in {w.shape[1] for w in weights}}
@@ -80,14 +100,18 @@ def run_linear(args) -> list[dict]:
 
         t = time_interleaved({name: step(fn) for name, fn in contenders.items()}, min_time_s=args.min_time,
                              max_rounds=5)
-        row = dict(kind="linear", case=f"{count} rows", dtype="float32",
-                   **{f"{name}_ms": s * 1e3 for name, s in t.items()},
+        row = dict(kind="linear", case=f"{count} rows", dtype="float32", cpu=_cpu_name(),
+                   native_level=native.cpu_level(), **{f"{name}_ms": s * 1e3 for name, s in t.items()},
                    **{f"{name}_gflops": count * flops_per_row / s / 1e9 for name, s in t.items()})
-        best = t.get("native")
+        speedups = []
         if best:
-            row.update(native_speedup_vs_mkl=t["mkl"] / best, native_speedup_vs_onednn=t["onednn"] / best)
+            row.update(native_speedup_vs_mkl=t["mkl"] / t[best],
+                       native_speedup_vs_onednn=t["onednn"] / t[best])
+            speedups = [row["native_speedup_vs_mkl"], row["native_speedup_vs_onednn"]]
+        if "native_avx512" in t:
+            row["avx512_speedup_vs_avx2"] = t["native_avx2"] / t["native_avx512"]
+            speedups.append(row["avx512_speedup_vs_avx2"])
         rows.append(row)
         print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
-              + (f" {row['native_speedup_vs_mkl']:7.2f} {row['native_speedup_vs_onednn']:8.2f}" if best else ""),
-              flush=True)
+              + "".join(f" {r:8.2f}" for r in speedups), flush=True)
     return rows

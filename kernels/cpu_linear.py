@@ -9,9 +9,21 @@ Measured on a 2-core AVX2 EPYC, fp32, the 30 layers + lm_head of SmolLM2-135M pe
 
 MKL (torch's default) runs the skinny GEMMs of decode steps at a fraction of the FMA peak and
 barely uses a second thread; oneDNN on a prepacked weight is better; our register-blocked panel
-kernel is best at every size, so with it the projection keeps only its packed weight. Where it
-cannot run (no AVX2/FMA, no compiler) oneDNN's packing is used for 2-383 rows and MKL otherwise
-(both layouts kept); bf16 packing needs AVX-512, so bf16 weights stay on F.linear here.
+kernel is best at every size, so with it the projection keeps only its packed weight.
+
+On a 2-core AVX-512 Xeon (Sapphire/Emerald Rapids class), same step, 1 thread, the panels packed
+for the CPU level native.cpu_level() picked (48 columns for AVX-512, 16 for AVX2):
+
+    rows          1      4      16     64     256
+    MKL         38 ms   77     98    181    522
+    oneDNN      44      51     70    148    487   (weight prepacked, AVX-512)
+    native AVX2 38      44     81    238    858
+    native 512  36      41     58    146    486   (8 x 48 tile)
+
+There the AVX-512 tile leads at 1-16 rows and ties oneDNN from 64 up (both near the FMA peak),
+so the native path stays the only one. Where it cannot run (no AVX2/FMA, no compiler) oneDNN's
+packing is used for 2-383 rows and MKL otherwise (both layouts kept); bf16 packing needs
+AVX-512, so bf16 weights stay on F.linear here.
 """
 from __future__ import annotations
 

@@ -1,9 +1,15 @@
 """Native CPU kernels: plain C in kernels/csrc, compiled on first use with the system C compiler
 and called through ctypes.
 
-The shared library is cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/native/<key>/,
-the key hashing the sources, the flags, the compiler's version and this CPU's feature flags: the
-build is -march=native, so a home directory shared by different machines must not share it.
+One library per CPU level (kernels/cpu_features.py: "avx512", "avx2", or "native" elsewhere),
+compiled with that level's flags; the process loads the one for cpu_level(), logged once when it
+is built or found. A compiler that lacks a level's flags falls back to the level below, with a
+warning. The packed GEMM's panel width belongs to the level (pagedserve_linear_panel()), so
+pack_linear_weight packs for the loaded level and linear() picks the library by the panel width.
+
+Each library is cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/native/<level>-<key>/,
+the key hashing the sources, the flags, the compiler's version and, for a -march=native build,
+this CPU's feature flags (so a home directory shared by different machines does not share it).
 Concurrent processes (Ray replicas, pytest workers) build once, under a file lock.
 
 The library is loaded after torch (imported above), so its libgomp.so.1 dependency resolves, by
@@ -31,13 +37,15 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_features
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 LIBRARY_NAME = "libpagedserve_cpu.so"
 # No -ffast-math: the kernels match the torch references to float rounding; reductions vectorise
 # through `omp simd reduction` instead.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # Without an OpenMP runtime (Apple's clang) the kernels still build, single-threaded but vectorised.
 FALLBACK_FLAGS = [f if f != "-fopenmp" else "-fopenmp-simd" for f in FLAGS]
 SUPPORTED = {("linux", "x86_64"), ("linux", "aarch64"), ("darwin", "x86_64"), ("darwin", "arm64")}
@@ -51,8 +59,11 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
 }
 _F32 = torch.float32
 
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.CDLL | None = None  # the library for cpu_level()
 _library_path: Path | None = None
+_level: str | None = None
+_libraries: dict[str, ctypes.CDLL] = {}  # by the level asked for, loaded by library()
+_linear_by_panel: dict[int, object] = {}  # panel width -> that library's pagedserve_linear
 
 
 def cache_dir() -> Path:
@@ -65,24 +76,49 @@ def library_path() -> Path | None:
     return _library_path
 
 
+def cpu_level() -> str | None:
+    """The CPU level of the library this process loaded ("avx512", "avx2", "native"), if any."""
+    return _level if available() else None
+
+
 @functools.cache
 def available() -> bool:
     """Whether the native kernels can run here; builds (or finds the cached build) on first call."""
-    global _lib, _library_path
+    global _lib, _library_path, _level
     if os.environ.get("PAGEDSERVE_NATIVE", "1") == "0":
         return False
     compiler = _compiler()
     if (sys.platform, platform.machine()) not in SUPPORTED or compiler is None:
         return False
     try:
-        path = _build(compiler)
-        lib = ctypes.CDLL(str(path))
+        level, path = _build_level(compiler, cpu_features.cpu_level())
+        lib = _load(path)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native CPU kernels unavailable, using the torch paths: %s", exc)
         return False
-    _declare(lib)
-    _lib, _library_path = lib, path
+    _lib, _library_path, _level = lib, path, level
+    log.info("native CPU kernels: level %s (detected %s), %s", level, cpu_features.detected_level(), path)
     return True
+
+
+def library(level: str) -> ctypes.CDLL:
+    """The library compiled for level (or the level below it, if the compiler lacks the flags),
+    for running one level's kernels beside another's (tests, benchmarks). Only call its kernels
+    where the CPU has the level."""
+    if not available():
+        raise RuntimeError("the native CPU kernels are not available (see kernels.native.available)")
+    if level not in _libraries:
+        _libraries[level] = _load(_build_level(_compiler(), level)[1])
+    return _libraries[level]
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    panel = lib.pagedserve_linear_panel()
+    if panel:
+        _linear_by_panel.setdefault(panel, lib.pagedserve_linear)
+    return lib
 
 
 def _compiler() -> list[str] | None:
@@ -90,35 +126,48 @@ def _compiler() -> list[str] | None:
     return compiler if compiler and shutil.which(compiler[0]) else None
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature line, which is what -march=native compiles for."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _build_key(compiler: list[str], version: str, flags: list[str], sources: list[Path]) -> str:
     h = hashlib.sha256()
-    for part in (shlex.join(compiler), version, " ".join(flags), platform.machine(), _cpu_flags()):
+    # A -march=native build compiles for this CPU's features (platform.processor() where no flags).
+    cpu = (" ".join(sorted(cpu_features.cpu_flags())) or platform.processor()) \
+        if "-march=native" in flags else ""
+    for part in (shlex.join(compiler), version, " ".join(flags), platform.machine(), cpu):
         h.update(part.encode() + b"\0")
     for source in sources:
         h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
-def _build(compiler: list[str]) -> Path:
-    """Path to the shared library for these sources, compiler and CPU, compiling it if needed."""
+def _build(compiler: list[str], level: str | None = None) -> Path:
+    """Path to the shared library for these sources, compiler and level (default: this CPU's),
+    compiling it if needed."""
+    return _build_level(compiler, level or cpu_features.cpu_level())[1]
+
+
+def _build_level(compiler: list[str], level: str) -> tuple[str, Path]:
+    """(the level built, its library): level, or the first level below it that compiles."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    failure = None
+    for candidate in cpu_features.lower_levels(level):
+        try:
+            return candidate, _build_flags(compiler, version, candidate)
+        except subprocess.CalledProcessError as exc:
+            if failure is None and candidate != "native":
+                log.warning("%s cannot build the %s kernels, trying the level below: %s",
+                            shlex.join(compiler), candidate, (exc.stderr or "")[-500:])
+            failure = failure or exc
+    raise subprocess.SubprocessError(f"{shlex.join(failure.cmd)} failed:\n{(failure.stderr or '')[-2000:]}")
+
+
+def _build_flags(compiler: list[str], version: str, level: str) -> Path:
+    """Build level with OpenMP, else without; raises the first CalledProcessError if neither does."""
     import fcntl  # POSIX only, like the platforms above: imported here so the module always imports
 
     sources = sorted(SOURCE_DIR.glob("*.[ch]"))
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    for flags in (FLAGS, FALLBACK_FLAGS):
-        path = cache_dir() / _build_key(compiler, version, flags, sources) / LIBRARY_NAME
+    failure = None
+    for base in (FLAGS, FALLBACK_FLAGS):
+        flags = [*base, *cpu_features.FLAGS[level]]
+        path = cache_dir() / f"{level}-{_build_key(compiler, version, flags, sources)}" / LIBRARY_NAME
         if path.exists():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,8 +179,8 @@ def _build(compiler: list[str]) -> Path:
                 _compile(compiler, flags, [s for s in sources if s.suffix == ".c"], path)
                 return path
             except subprocess.CalledProcessError as exc:
-                failure = exc
-    raise subprocess.SubprocessError(f"{shlex.join(failure.cmd)} failed:\n{(failure.stderr or '')[-2000:]}")
+                failure = failure or exc
+    raise failure
 
 
 def _compile(compiler: list[str], flags: list[str], sources: list[Path], path: Path) -> None:
@@ -156,7 +205,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
         "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32],
         "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
-        "pagedserve_linear_supported": [],
+        "pagedserve_linear_panel": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -275,36 +324,44 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
                                 inter, torch.get_num_threads())
 
 
-# Columns per packed weight panel (PANEL in csrc/gemm.c).
-LINEAR_PANEL = 16
-
-
 @functools.cache
 def linear_available() -> bool:
-    """Whether the packed-panel GEMM runs here (x86-64 with AVX2 and FMA)."""
-    return available() and bool(_lib.pagedserve_linear_supported())
+    """Whether the packed-panel GEMM runs here (x86-64 with AVX2 and FMA, or AVX-512)."""
+    return available() and bool(_lib.pagedserve_linear_panel())
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[n, k] float32 weight -> [ceil(n / 16), k, 16] panels, zero-padded, for linear()."""
+def linear_panel(level: str | None = None) -> int:
+    """Columns per packed weight panel for level's GEMM (default: the loaded level); 0 if none."""
+    lib = _library() if level is None else library(level)
+    return lib.pagedserve_linear_panel()
+
+
+def pack_linear_weight(weight: torch.Tensor, level: str | None = None) -> torch.Tensor:
+    """[n, k] float32 weight -> [ceil(n / panel), k, panel] panels, zero-padded, for linear(),
+    panel being linear_panel(level): the packed layout belongs to the level that packed it."""
     if not _fits(weight):
         _explain(weight=weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {list(weight.shape)}")
+    panel = linear_panel(level)
+    if not panel:
+        raise RuntimeError(_STATUS[5][1])
     n, k = weight.shape
-    padded = torch.zeros((n + LINEAR_PANEL - 1) // LINEAR_PANEL * LINEAR_PANEL, k)
+    padded = torch.zeros((n + panel - 1) // panel * panel, k)
     padded[:n] = weight
-    return padded.view(-1, LINEAR_PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(-1, panel, k).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """x [rows, k] (rows may be strided) . W^T (+ bias) -> [rows, n], W packed by pack_linear_weight."""
-    lib = _lib or _library()
+    """x [rows, k] (rows may be strided) . W^T (+ bias) -> [rows, n], W packed by
+    pack_linear_weight; runs the GEMM of the level whose panel width the packing has."""
+    if _lib is None:
+        _library()
+    gemm = _linear_by_panel.get(packed.shape[-1]) if packed.dim() == 3 else None
     if not (x.dtype is _F32 and x.is_cpu and _fits(packed)):
         _explain(x=x.contiguous(), packed=packed)
-    if x.dim() != 2 or packed.dim() != 3 or packed.shape[1] != x.shape[1] \
-            or packed.shape[2] != LINEAR_PANEL or packed.shape[0] * LINEAR_PANEL < n:
+    if x.dim() != 2 or gemm is None or packed.shape[1] != x.shape[1] or packed.shape[0] * packed.shape[2] < n:
         raise ValueError(f"x {list(x.shape)} does not fit packed weight {list(packed.shape)} with n={n}")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -315,7 +372,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
             raise ValueError(f"bias must have shape [{n}], got {list(bias.shape)}")
     rows, k = x.shape
     out = torch.empty(rows, n)
-    _check(lib.pagedserve_linear(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), rows, n, k,
-                                 torch.get_num_threads()))
+    _check(gemm(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                None if bias is None else bias.data_ptr(), rows, n, k, torch.get_num_threads()))
     return out

@@ -1,42 +1,96 @@
 /* out[rows, n] = x[rows, k] . W^T (+ bias) for the skinny GEMMs of decode steps (a few to a few
- * hundred rows), on a weight packed once into 16-column panels: packed[n / 16][k][16], zero-padded
- * (kernels/native.py packs it). fp32, AVX2 + FMA.
+ * hundred rows), on a weight packed once into PANEL-column panels: packed[n / PANEL][k][PANEL],
+ * zero-padded (kernels/native.py packs it, with the width pagedserve_linear_panel() reports).
+ * fp32; one register tile per CPU level, chosen by the flags this file is compiled with
+ * (kernels/cpu_features.py):
  *
- * Why: at 2-64 rows MKL and oneDNN reach 25-50 % of this CPU's FMA peak. A register-blocked
- * 6 x 16 tile (12 accumulators; BLIS's Haswell shape) streams each panel once from memory,
- * sequentially (the hardware prefetcher keeps up), and reuses it for every 6-row tile from L1/L2.
- * Threads split the panels, so a second thread also gets half the weight bytes. */
+ *   AVX2 + FMA (16 ymm): 6 rows x 16 columns, 12 accumulators (BLIS's Haswell shape).
+ *   AVX-512 (32 zmm):    PS_TILE_ROWS rows x 16 * PS_TILE_VECS columns, 8 x 48 by default:
+ *                        24 accumulators + 3 panel vectors + a broadcast. Of 12 x 32, 14 x 32,
+ *                        7 / 8 / 9 x 48 and 6 x 64 (-D PS_TILE_VECS / PS_TILE_ROWS), the 48-wide
+ *                        tiles and 6 x 64 tie on one thread, 12 x 32 is ~5 % behind; on two
+ *                        threads 8 x 48 leads by 5-15 % (the default model's 576 outputs are 12
+ *                        panels of 48, split evenly, but 9 of 64), and 8 divides 16, 64, 256.
+ *
+ * Why: at 2-64 rows MKL and oneDNN reach 25-50 % of the FMA peak. A register-blocked tile
+ * streams each panel once from memory, sequentially (prefetched ahead), and reuses it for every
+ * row tile from L1/L2. Threads split the panels, so a second thread also gets half
+ * the weight bytes. */
 #include "common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define PS_HAVE_TILE 1
+#ifndef PS_TILE_VECS
+#define PS_TILE_VECS 3
+#endif
+#ifndef PS_TILE_ROWS
+#define PS_TILE_ROWS 8
+#endif
+typedef __m512 vec;
+#define VEC_WIDTH 16
+#define vec_zero _mm512_setzero_ps
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_add _mm512_add_ps
+#define vec_fma _mm512_fmadd_ps
+#define vec_broadcast(p) _mm512_set1_ps(*(p))
 
-#define PANEL 16
-#define MAX_ROWS_PER_TILE 6
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PS_HAVE_TILE 1
+#define PS_TILE_VECS 2
+#define PS_TILE_ROWS 6
+typedef __m256 vec;
+#define VEC_WIDTH 8
+#define vec_zero _mm256_setzero_ps
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_add _mm256_add_ps
+#define vec_fma _mm256_fmadd_ps
+#define vec_broadcast(p) _mm256_broadcast_ss(p)
+#endif
 
-int pagedserve_linear_supported(void) { return 1; }
+#ifdef PS_HAVE_TILE
+
+#define PANEL (VEC_WIDTH * PS_TILE_VECS)
+/* Panel rows prefetched ahead (12 KB at 48 columns): the hardware prefetcher alone leaves the first
+ * row tile of each panel waiting on memory; measured 10-30 % faster at 4-64 rows, on both levels,
+ * and no better at 8 or 128. A prefetch past the weight's end is harmless. */
+#ifndef PS_PREFETCH_K
+#define PS_PREFETCH_K 64
+#endif
+#if PS_TILE_VECS > 4 || PS_TILE_ROWS > 14
+#error "tile larger than the accumulators declared below"
+#endif
+
+int pagedserve_linear_panel(void) { return PANEL; }
 
 /* One tile: `mr` rows of x against one panel. mr is a literal at every call site (see tile), so
- * the `mr > r` tests fold away; the accumulators are named variables rather than an array, which
- * GCC would keep on the stack (a store per FMA, measured 3x slower). */
+ * the `mr > r` tests fold away, as do the `PS_TILE_VECS > v` ones; the accumulators are named
+ * variables rather than an array, which GCC would keep on the stack (a store per FMA, measured 3x
+ * slower). Unused ones are dead code. */
 #define PS_ROW_FMA(r)                                                                      \
     if (mr > r) {                                                                          \
-        __m256 a = _mm256_broadcast_ss(x + r * x_stride + i);                              \
-        c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                                         \
-        c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                                         \
+        vec a = vec_broadcast(x + r * x_stride + i);                                       \
+        c##r##0 = vec_fma(a, b0, c##r##0);                                                 \
+        if (PS_TILE_VECS > 1) c##r##1 = vec_fma(a, b1, c##r##1);                           \
+        if (PS_TILE_VECS > 2) c##r##2 = vec_fma(a, b2, c##r##2);                           \
+        if (PS_TILE_VECS > 3) c##r##3 = vec_fma(a, b3, c##r##3);                           \
     }
 #define PS_ROW_STORE(r)                                                                    \
-    if (mr > r) store_row(out + r * out_stride, _mm256_add_ps(c##r##0, bias0),             \
-                          _mm256_add_ps(c##r##1, bias1), cols);
+    if (mr > r) store_row(out + r * out_stride, (vec[4]){vec_add(c##r##0, bias0),          \
+                          vec_add(c##r##1, bias1), vec_add(c##r##2, bias2),                \
+                          vec_add(c##r##3, bias3)}, cols);
+#define PS_ROW_DECLARE(r) vec c##r##0 = vec_zero(), c##r##1 = c##r##0, c##r##2 = c##r##0,   \
+                              c##r##3 = c##r##0;
 
-static inline void store_row(float *o, __m256 lo, __m256 hi, int64_t cols) {
+static inline __attribute__((always_inline)) void store_row(float *o, const vec *v, int64_t cols) {
     if (cols == PANEL) {
-        _mm256_storeu_ps(o, lo);
-        _mm256_storeu_ps(o + 8, hi);
-    } else {  /* the last panel of an n that is not a multiple of 16 */
+        for (int j = 0; j < PS_TILE_VECS; j++) vec_store(o + j * VEC_WIDTH, v[j]);
+    } else {  /* the last panel of an n that is not a multiple of PANEL */
         float row[PANEL];
-        _mm256_storeu_ps(row, lo);
-        _mm256_storeu_ps(row + 8, hi);
+        for (int j = 0; j < PS_TILE_VECS; j++) vec_store(row + j * VEC_WIDTH, v[j]);
         memcpy(o, row, (size_t)cols * sizeof *o);
     }
 }
@@ -44,49 +98,67 @@ static inline void store_row(float *o, __m256 lo, __m256 hi, int64_t cols) {
 static inline __attribute__((always_inline)) void tile_rows(
     float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *panel,
     int64_t k, const int mr, int64_t cols, const float *bias) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    PS_ROW_DECLARE(0) PS_ROW_DECLARE(1) PS_ROW_DECLARE(2) PS_ROW_DECLARE(3) PS_ROW_DECLARE(4)
+    PS_ROW_DECLARE(5) PS_ROW_DECLARE(6) PS_ROW_DECLARE(7) PS_ROW_DECLARE(8) PS_ROW_DECLARE(9)
+    PS_ROW_DECLARE(10) PS_ROW_DECLARE(11) PS_ROW_DECLARE(12) PS_ROW_DECLARE(13)
     for (int64_t i = 0; i < k; i++) {
-        __m256 b0 = _mm256_loadu_ps(panel + i * PANEL);
-        __m256 b1 = _mm256_loadu_ps(panel + i * PANEL + 8);
+        const float *b = panel + i * PANEL;
+        for (int j = 0; j < PANEL; j += 16) PS_PREFETCH(b + PS_PREFETCH_K * PANEL + j);
+        vec b0 = vec_load(b), b1 = b0, b2 = b0, b3 = b0;
+        if (PS_TILE_VECS > 1) b1 = vec_load(b + VEC_WIDTH);
+        if (PS_TILE_VECS > 2) b2 = vec_load(b + 2 * VEC_WIDTH);
+        if (PS_TILE_VECS > 3) b3 = vec_load(b + 3 * VEC_WIDTH);
         PS_ROW_FMA(0) PS_ROW_FMA(1) PS_ROW_FMA(2) PS_ROW_FMA(3) PS_ROW_FMA(4) PS_ROW_FMA(5)
+        PS_ROW_FMA(6) PS_ROW_FMA(7) PS_ROW_FMA(8) PS_ROW_FMA(9) PS_ROW_FMA(10) PS_ROW_FMA(11)
+        PS_ROW_FMA(12) PS_ROW_FMA(13)
     }
-    __m256 bias0 = _mm256_setzero_ps(), bias1 = bias0;
+    vec bias0 = vec_zero(), bias1 = bias0, bias2 = bias0, bias3 = bias0;
     if (bias) {
         float padded[PANEL] = {0};
         memcpy(padded, bias, (size_t)cols * sizeof *bias);
-        bias0 = _mm256_loadu_ps(padded);
-        bias1 = _mm256_loadu_ps(padded + 8);
+        bias0 = vec_load(padded);
+        if (PS_TILE_VECS > 1) bias1 = vec_load(padded + VEC_WIDTH);
+        if (PS_TILE_VECS > 2) bias2 = vec_load(padded + 2 * VEC_WIDTH);
+        if (PS_TILE_VECS > 3) bias3 = vec_load(padded + 3 * VEC_WIDTH);
     }
-    PS_ROW_STORE(0) PS_ROW_STORE(1) PS_ROW_STORE(2) PS_ROW_STORE(3) PS_ROW_STORE(4) PS_ROW_STORE(5)
+    PS_ROW_STORE(0) PS_ROW_STORE(1) PS_ROW_STORE(2) PS_ROW_STORE(3) PS_ROW_STORE(4)
+    PS_ROW_STORE(5) PS_ROW_STORE(6) PS_ROW_STORE(7) PS_ROW_STORE(8) PS_ROW_STORE(9)
+    PS_ROW_STORE(10) PS_ROW_STORE(11) PS_ROW_STORE(12) PS_ROW_STORE(13)
 }
+
+/* Cases beyond PS_TILE_ROWS never run; they compile to the one-row tile. */
+#define PS_TILE_CASE(m)                                                                    \
+    case m:                                                                                \
+        tile_rows(out, out_stride, x, x_stride, panel, k, m <= PS_TILE_ROWS ? m : 1, cols, bias); \
+        break;
 
 static void tile(float *out, int64_t out_stride, const float *x, int64_t x_stride,
                  const float *panel, int64_t k, int mr, int64_t cols, const float *bias) {
     switch (mr) {
-    case 6: tile_rows(out, out_stride, x, x_stride, panel, k, 6, cols, bias); break;
-    case 5: tile_rows(out, out_stride, x, x_stride, panel, k, 5, cols, bias); break;
-    case 4: tile_rows(out, out_stride, x, x_stride, panel, k, 4, cols, bias); break;
-    case 3: tile_rows(out, out_stride, x, x_stride, panel, k, 3, cols, bias); break;
-    case 2: tile_rows(out, out_stride, x, x_stride, panel, k, 2, cols, bias); break;
+    PS_TILE_CASE(14) PS_TILE_CASE(13) PS_TILE_CASE(12) PS_TILE_CASE(11) PS_TILE_CASE(10)
+    PS_TILE_CASE(9) PS_TILE_CASE(8) PS_TILE_CASE(7) PS_TILE_CASE(6) PS_TILE_CASE(5)
+    PS_TILE_CASE(4) PS_TILE_CASE(3) PS_TILE_CASE(2)
     default: tile_rows(out, out_stride, x, x_stride, panel, k, 1, cols, bias); break;
     }
 }
 
-/* out: [rows, n] contiguous; x: rows of k floats, x_stride apart; packed: [ceil(n / 16), k, 16];
- * bias: [n] or NULL. */
+/* out: [rows, n] contiguous; x: rows of k floats, x_stride apart; packed: [ceil(n / PANEL), k,
+ * PANEL]; bias: [n] or NULL. Rows are split into tiles of near-equal height (20 rows at 8 per
+ * tile: 7 + 7 + 6, not 8 + 8 + 4), so no tile is left mostly empty. */
 int pagedserve_linear(float *out, const float *x, int64_t x_stride, const float *packed,
                       const float *bias, int64_t rows, int64_t n, int64_t k, int num_threads) {
     int64_t panels = (n + PANEL - 1) / PANEL;
+    int64_t tiles = (rows + PS_TILE_ROWS - 1) / PS_TILE_ROWS;
 #pragma omp parallel for schedule(static) num_threads(ps_threads(panels * rows * k, PS_GRAIN, num_threads))
     for (int64_t p = 0; p < panels; p++) {
         int64_t first_col = p * PANEL;
         int64_t cols = n - first_col < PANEL ? n - first_col : PANEL;
         const float *panel = packed + p * k * PANEL;
-        for (int64_t r = 0; r < rows; r += MAX_ROWS_PER_TILE) {
-            int mr = rows - r < MAX_ROWS_PER_TILE ? (int)(rows - r) : MAX_ROWS_PER_TILE;
+        for (int64_t t = 0, r = 0; t < tiles; t++) {
+            int mr = (int)((rows - r + (tiles - t) - 1) / (tiles - t));
             tile(out + r * n + first_col, n, x + r * x_stride, x_stride, panel, k, mr, cols,
                  bias ? bias + first_col : NULL);
+            r += mr;
         }
     }
     return PS_OK;
@@ -94,7 +166,7 @@ int pagedserve_linear(float *out, const float *x, int64_t x_stride, const float 
 
 #else /* no AVX2 + FMA: kernels/native.py keeps projections on oneDNN / MKL */
 
-int pagedserve_linear_supported(void) { return 0; }
+int pagedserve_linear_panel(void) { return 0; }
 
 int pagedserve_linear(float *out, const float *x, int64_t x_stride, const float *packed,
                       const float *bias, int64_t rows, int64_t n, int64_t k, int num_threads) {

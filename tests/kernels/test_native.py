@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, norm_act, reference, torch_attention
+from kernels import cpu_features, native, norm_act, reference, torch_attention
 from tests.kernels.kernel_cases import Case, assert_close
 
 if not native.available():
@@ -208,6 +208,39 @@ def test_failed_build_warns_and_falls_back(tmp_path, monkeypatch, caplog, restor
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     assert not native.available()
     assert "this compiler is broken" in caplog.text
+
+
+def test_compiler_without_a_level_falls_back_to_the_level_below(tmp_path, monkeypatch, caplog):
+    compiler = tmp_path / "no-avx512-cc"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -mavx512f ] && '
+                        '{ echo "unknown flag -mavx512f" >&2; exit 1; }; done\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    if cpu_features.detected_level() == "native":
+        pytest.skip("not an x86 CPU with AVX2")
+    level, path = native._build_level([str(compiler)], "avx512")
+    assert level == "avx2" and path.parent.name.startswith("avx2-") and path.exists()
+    assert "cannot build the avx512 kernels" in caplog.text
+
+
+@pytest.mark.parametrize("forced, expected", [("", None), ("avx2", "avx2"), ("native", "native"),
+                                              ("AVX2", "avx2"), ("sse9", None), ("avx1024", None)])
+def test_level_override_only_lowers(monkeypatch, forced, expected):
+    monkeypatch.setenv(cpu_features.OVERRIDE_ENV, forced)
+    detected = cpu_features.detected_level()
+    if expected and cpu_features.LEVELS.index(expected) > cpu_features.LEVELS.index(detected):
+        pytest.skip(f"this CPU has only {detected}")
+    cpu_features.cpu_level.cache_clear()
+    try:
+        assert cpu_features.cpu_level() == (expected or detected)
+    finally:
+        monkeypatch.undo()
+        cpu_features.cpu_level.cache_clear()
+
+
+def test_the_loaded_level_is_the_cpus():
+    assert native.cpu_level() == cpu_features.cpu_level()
+    assert native.library_path().parent.name.startswith(f"{native.cpu_level()}-")
 
 
 def test_bad_inputs_raise():
