@@ -7,7 +7,7 @@ consumer that fell behind receives everything pending as one output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)

@@ -51,16 +51,18 @@ class Request:
             detok = self.detokenizers[i]
             finished = seq.is_finished
             text = detok.visible_text(finished) if detok is not None else ""
-            token_ids, logprobs = seq.output_token_ids, self.logprobs[i] if want_logprobs else None
-            if delta:
+            logprobs = self.logprobs[i] if want_logprobs else None
+            if delta:  # only the new part: the cost follows the tokens made, not the length
                 sent = self.sent[i]
                 if sent[2] or (len(text) <= sent[0] and seq.num_output_tokens <= sent[1]
                                and not finished):
                     continue  # nothing new for this completion
-                text, token_ids = text[sent[0]:], token_ids[sent[1]:]
+                text = text[sent[0]:]
+                token_ids = seq.token_ids[seq.num_prompt_tokens + sent[1]:]
                 logprobs = logprobs[sent[1]:] if logprobs is not None else None
                 sent[0], sent[1], sent[2] = sent[0] + len(text), seq.num_output_tokens, finished
             else:
+                token_ids = seq.output_token_ids
                 logprobs = list(logprobs) if logprobs is not None else None
             completions.append(CompletionOutput(
                 index=i, text=text, token_ids=token_ids,
