@@ -153,7 +153,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq, token_id, logprobs in zip(sampled, runner_output.sampled_token_ids,
                                            runner_output.logprobs):
-            request = touched.get(seq.request_id) or self.requests[seq.request_id]
+            request = self.requests[seq.request_id]
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now

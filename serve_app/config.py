@@ -40,11 +40,12 @@ class IngressSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    api_keys: list[str] = Field(default_factory=list)
-    retry_after_s: int = DEFAULTS["retry_after_s"]
-    output_channels: bool = True  # ServeSettings.channels_enabled
-    max_stream_events_per_s: float | None = None
-    max_stream_delay_s: float = DEFAULTS["max_stream_delay_s"]
+    # No defaults here: ServeSettings.ingress_settings() fills every field from its own.
+    api_keys: list[str]
+    retry_after_s: int
+    output_channels: bool  # ServeSettings.channels_enabled
+    max_stream_events_per_s: float | None
+    max_stream_delay_s: float
 
 
 class ServeSettings(BaseModel):

@@ -95,7 +95,7 @@ class ReplicaStream:
         self.first: RequestOutput | None = None
         self.first_delta_time: float | None = None
         self.finished = False
-        self._pump_task: asyncio.Task | None = None
+        self._pump_task: asyncio.Task | None = None  # held: the loop keeps only weak references
         self.pacer = pacer or StreamPacer(0)
 
     async def prime(self) -> None:
