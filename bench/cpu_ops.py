@@ -1,17 +1,16 @@
 """Native CPU ops other than attention, each against what it replaces, timed in the same run:
 RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, and a whole step's
 projections on the native packed-panel GEMM (AVX2, and AVX-512 where the CPU has it) vs MKL
-(torch's F.linear) vs oneDNN on prepacked weights. Part of `python -m bench.kernels --cpu`.
+(torch's F.linear) vs oneDNN on prepacked weights; with bf16 weights, the native bf16 GEMM's
+tiles vs torch's bf16 F.linear and oneDNN. Part of `python -m bench.kernels --cpu`.
 """
 from __future__ import annotations
-
-import platform
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import max_error, time_interleaved
-from kernels import cpu_features, native, norm_act
+from kernels import cpu_features, native, native_linear, norm_act
 
 
 def run_norm_act(args) -> list[dict]:
@@ -52,14 +51,6 @@ def run_norm_act(args) -> list[dict]:
     return rows
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def run_linear(args) -> list[dict]:
     """A whole step's projections (every layer's q/k/v, o, gate/up, down with its own weights, so
     they stream from memory as in the model, plus lm_head): MKL's F.linear, oneDNN on prepacked
@@ -75,18 +66,19 @@ def run_linear(args) -> list[dict]:
                                                                               "none", [], "")}
     packs = [{"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 64)} for w in weights]
     levels = []
-    if native.linear_available():
+    if native_linear.linear_available():
         detected = cpu_features.LEVELS.index(cpu_features.detected_level())
         levels = [lv for lv in ("avx2", "avx512") if cpu_features.LEVELS.index(lv) <= detected]
     for level in levels:
         name = f"native_{level}"
-        contenders[name] = lambda x, w, p, name=name: native.linear(x, p[name], w.shape[0])
+        contenders[name] = lambda x, w, p, name=name: native_linear.linear(x, p[name], w.shape[0])
         for w, p in zip(weights, packs):
-            p[name] = native.pack_linear_weight(w, level)
-    best = f"native_{native.cpu_level()}" if levels else None
+            p[name] = native_linear.pack_linear_weight(w, level)
+    # avx512_bf16's fp32 tile is avx512's.
+    best = f"native_{levels[-1]}" if levels else None
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(f"\nfloat32 projections of one step ({args.layers} layers + lm_head, "
-          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s), {_cpu_name()}, "
+          f"{flops_per_row / 2e6:.0f}M weights), {args.threads} thread(s), {cpu_features.cpu_name()}, "
           f"native level {native.cpu_level()}; ms per step and GFLOP/s; ratios for {best}")
     ratios = ["x mkl", "x onednn"] + (["x avx2"] if "native_avx512" in contenders else [])
     print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders)
@@ -100,7 +92,7 @@ def run_linear(args) -> list[dict]:
 
         t = time_interleaved({name: step(fn) for name, fn in contenders.items()}, min_time_s=args.min_time,
                              max_rounds=5)
-        row = dict(kind="linear", case=f"{count} rows", dtype="float32", cpu=_cpu_name(),
+        row = dict(kind="linear", case=f"{count} rows", dtype="float32", cpu=cpu_features.cpu_name(),
                    native_level=native.cpu_level(), **{f"{name}_ms": s * 1e3 for name, s in t.items()},
                    **{f"{name}_gflops": count * flops_per_row / s / 1e9 for name, s in t.items()})
         speedups = []
@@ -114,4 +106,59 @@ def run_linear(args) -> list[dict]:
         rows.append(row)
         print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
               + "".join(f" {r:8.2f}" for r in speedups), flush=True)
+    return rows
+
+
+def run_linear_bf16(args) -> list[dict]:
+    """The same step's projections with bf16 weights and activations: torch's bf16 F.linear and
+    oneDNN on prepacked weights (what torch does without us) against the native bf16 GEMM's two
+    tiles (vdpbf16ps "dot", fp32-FMA "widen"), with the native fp32 GEMM on fp32 copies for scale.
+    The ratios are for the tile native_linear.bf16_tile() picks, the one the engine runs."""
+    if not native_linear.linear_bf16_available():
+        print(f"\nbf16 projections: skipped, CPU level {native.cpu_level()} has no AVX512-BF16 GEMM")
+        return []
+    q_size = args.heads * args.head_dim
+    shapes = [(q_size + 2 * args.kv_heads * args.head_dim, args.hidden), (args.hidden, q_size),
+              (2 * args.intermediate, args.hidden), (args.hidden, args.intermediate)]
+    weights = [torch.randn(n, k).bfloat16() for _ in range(args.layers) for n, k in shapes]
+    weights.append(torch.randn(args.vocab, args.hidden).bfloat16())
+    packs = [{"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 64),
+              "native": native_linear.pack_linear_weight_bf16(w),
+              "fp32": native_linear.pack_linear_weight(w.float())} for w in weights]
+    contenders = {
+        "torch_bf16": lambda x, w, p: F.linear(x, w),
+        "onednn_bf16": lambda x, w, p: torch.ops.mkldnn._linear_pointwise(x, p["onednn"], None, "none", [], ""),
+        "native_dot": lambda x, w, p: native_linear.linear_bf16(x, p["native"], w.shape[0]),
+        "native_widen": lambda x, w, p: native_linear.linear_bf16(x, p["native"], w.shape[0], widen=True),
+        "native_fp32": lambda x, w, p: native_linear.linear(x.float(), p["fp32"], w.shape[0]),
+    }
+    chosen = f"native_{native_linear.bf16_tile()}"
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"\nbf16 projections of one step ({args.layers} layers + lm_head), {args.threads} thread(s), "
+          f"{cpu_features.cpu_name()}, level {native.cpu_level()}, tile picked: {chosen}; ms per step and GFLOP/s")
+    print(f"{'rows':>6} " + " ".join(f"{name:>17}" for name in contenders)
+          + f" {'x torch':>8} {'x onednn':>8} {'x fp32':>8}")
+    rows = []
+    for count in [1, 4, 16, 64, 256] + ([] if args.quick else [1024]):
+        xs = {k: torch.randn(count, k).bfloat16() for k in {w.shape[1] for w in weights}}
+        err = max(max_error(native_linear.linear_bf16(xs[w.shape[1]], p["native"], w.shape[0], widen=widen),
+                            F.linear(xs[w.shape[1]], w)) for w, p in zip(weights[:4], packs) for widen in (0, 1))
+
+        def step(fn):
+            return lambda: [fn(xs[w.shape[1]], w, p) for w, p in zip(weights, packs)]
+
+        t = time_interleaved({name: step(fn) for name, fn in contenders.items()}, min_time_s=args.min_time,
+                             max_rounds=5)
+        row = dict(kind="linear_bf16", case=f"{count} rows", dtype="bfloat16", cpu=cpu_features.cpu_name(),
+                   native_level=native.cpu_level(), bf16_tile=chosen, max_error=err,
+                   **{f"{name}_ms": s * 1e3 for name, s in t.items()},
+                   **{f"{name}_gflops": count * flops_per_row / s / 1e9 for name, s in t.items()},
+                   native_bf16_speedup_vs_torch=t["torch_bf16"] / t[chosen],
+                   native_bf16_speedup_vs_onednn=t["onednn_bf16"] / t[chosen],
+                   native_bf16_speedup_vs_fp32=t["native_fp32"] / t[chosen],
+                   fastest=min(t, key=t.get))
+        rows.append(row)
+        print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
+              + f" {row['native_bf16_speedup_vs_torch']:8.2f} {row['native_bf16_speedup_vs_onednn']:8.2f}"
+              f" {row['native_bf16_speedup_vs_fp32']:8.2f}", flush=True)
     return rows

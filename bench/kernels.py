@@ -3,7 +3,9 @@
     python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V);
                                       float32: the native C decode kernel vs the torch decode path,
                                       and bench.cpu_ops: native RMSNorm / SiLU-and-mul vs their torch
-                                      references, a step's projections: native GEMM vs MKL vs oneDNN
+                                      references, a step's projections: native GEMM vs MKL vs oneDNN;
+                                      bfloat16 (AVX512-BF16 CPUs): the native bf16 GEMM's tiles vs
+                                      torch's bf16 F.linear and oneDNN, and the fp32 GEMM
     python -m bench.kernels           CUDA: Triton vs reference (correctness), decode KV bandwidth
                                       and prefill TFLOP/s, SDPA (flash) on contiguous K/V as baseline
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import geomean, max_error, time_call, time_interleaved, write_result
-from bench.cpu_ops import run_linear, run_norm_act
+from bench.cpu_ops import run_linear, run_linear_bf16, run_norm_act
 from kernels import native, reference, torch_attention
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
@@ -119,7 +121,7 @@ def run_cpu(args) -> None:
     fast = get_attention_backend("torch", "cpu")
     auto = get_attention_backend("auto", "cpu")
     rows = []
-    for dtype_name in args.dtype:
+    for dtype_name in args.dtype if "attention" in args.ops else []:
         dtype = DTYPES[dtype_name]
         with_native = dtype == torch.float32 and native.available()
         print(f"\n{dtype_name}, {args.threads} thread(s); times in ms; x ref = reference / torch, "
@@ -162,15 +164,18 @@ def run_cpu(args) -> None:
             rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
             print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>9} {'':>8} {t_ref / t_fast:7.2f}")
-    if "float32" in args.dtype and native.available():
+    if "float32" in args.dtype and native.available() and "norm_act" in args.ops:
         rows += run_norm_act(args)
-    if "float32" in args.dtype:
+    if "float32" in args.dtype and "linear" in args.ops:
         rows += run_linear(args)
+    if "bfloat16" in args.dtype and "linear" in args.ops:
+        rows += run_linear_bf16(args)
     print()
     for dtype_name in args.dtype:
         for kind in ("attention", "store_kv"):
             ratios = [r["speedup_vs_reference"] for r in rows if r["dtype"] == dtype_name and r["kind"] == kind]
-            print(f"{dtype_name} {kind}: torch is {geomean(ratios):.2f}x the reference's speed (geomean)")
+            if ratios:
+                print(f"{dtype_name} {kind}: torch is {geomean(ratios):.2f}x the reference's speed (geomean)")
         ratios = [r["native_speedup_vs_torch"] for r in rows
                   if r["dtype"] == dtype_name and "native_speedup_vs_torch" in r]
         if ratios:
@@ -183,6 +188,11 @@ def run_cpu(args) -> None:
         ratios = [r[f"native_speedup_vs_{baseline}"] for r in rows if f"native_speedup_vs_{baseline}" in r]
         if ratios:
             print(f"float32 projections: native is {geomean(ratios):.2f}x {baseline}'s speed "
+                  f"(geomean over {len(ratios)} row counts)")
+    for baseline in ("torch", "onednn", "fp32"):
+        ratios = [r[f"native_bf16_speedup_vs_{baseline}"] for r in rows if f"native_bf16_speedup_vs_{baseline}" in r]
+        if ratios:
+            print(f"bf16 projections: native bf16 is {geomean(ratios):.2f}x {baseline}'s speed "
                   f"(geomean over {len(ratios)} row counts)")
     timed = [r for r in rows if "speedup_vs_reference" in r]
     losses = [r for r in timed if r["speedup_vs_reference"] < 1.0]
@@ -278,6 +288,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="comma-separated: float32,bfloat16,float16")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steady when cores are shared)")
     p.add_argument("--quick", action="store_true", help="CPU: skip the largest shapes")
+    p.add_argument("--ops", default="attention,norm_act,linear",
+                   help="CPU: comma-separated parts to run (attention, norm_act, linear)")
     p.add_argument("--min-time", type=float, default=0.3, help="CPU: seconds of repeats per measurement")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -295,6 +307,7 @@ def main(argv=None) -> None:
                    help="run the CUDA script's code paths at toy sizes (on CPU under TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     args.dtype = (args.dtype or ("float32,bfloat16" if args.cpu else "bfloat16")).split(",")
+    args.ops = args.ops.split(",")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     if args.cpu:

@@ -22,8 +22,21 @@ for the CPU level native.cpu_level() picked (48 columns for AVX-512, 16 for AVX2
 
 There the AVX-512 tile leads at 1-16 rows and ties oneDNN from 64 up (both near the FMA peak),
 so the native path stays the only one. Where it cannot run (no AVX2/FMA, no compiler) oneDNN's
-packing is used for 2-383 rows and MKL otherwise (both layouts kept); bf16 packing needs
-AVX-512, so bf16 weights stay on F.linear here.
+packing is used for 2-383 rows and MKL otherwise (both layouts kept).
+
+bf16 weights, on a CPU level with AVX512-BF16 (csrc/gemm_bf16.c, native_linear.bf16_tile()):
+measured on the same Xeon, one GEMM of 3072 x 576, 1 thread, GFLOP/s:
+
+    rows             1      8     64    256
+    oneDNN bf16     16     65     79     76   (weight prepacked; torch's bf16 F.linear)
+    native dot      23     74     84     73   (vdpbf16ps)
+    native widen    26    109    141    110   (bf16 panels widened to fp32 in registers)
+    native fp32     13     80    118    146   (for scale: twice the weight bytes)
+
+vdpbf16ps issues at a quarter of the FMA rate on this Xeon, so oneDNN (which uses it too, there
+being no AMX here) and our dot tile lose to the widening tile at every size: bf16 weights go to
+the native kernel only, which keeps only its packed copy. Without AVX512-BF16, bf16 weights take
+oneDNN's packing where it accepts them (AVX-512), else F.linear.
 """
 from __future__ import annotations
 
@@ -33,7 +46,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import cpu_features, native, native_linear
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +56,14 @@ MKL_MIN_ROWS = 384
 
 
 class PackedWeight(NamedTuple):
-    kind: str  # "native" (csrc/gemm.c panels) or "onednn"
+    kind: str  # "native" (csrc/gemm.c panels), "native_bf16" (csrc/gemm_bf16.c pairs) or "onednn"
     tensor: torch.Tensor
     out_features: int
 
     @property
     def replaces_weight(self) -> bool:
         """Whether every call goes through the packed copy, so the plain weight can be freed."""
-        return self.kind == "native"
+        return self.kind in ("native", "native_bf16")
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
@@ -58,8 +71,11 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     if weight.device.type != "cpu":
         return None
     weight = weight.detach()
-    if weight.dtype == torch.float32 and native.linear_available():
-        return PackedWeight("native", native.pack_linear_weight(weight), weight.shape[0])
+    if weight.dtype == torch.float32 and native_linear.linear_available():
+        return PackedWeight("native", native_linear.pack_linear_weight(weight), weight.shape[0])
+    if weight.dtype == torch.bfloat16 and native_linear.linear_bf16_available():
+        native_linear.bf16_tile()  # timed once, at load rather than inside the first step
+        return PackedWeight("native_bf16", native_linear.pack_linear_weight_bf16(weight), weight.shape[0])
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -75,8 +91,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None,
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "native":
-        return native.linear(x, packed.tensor, packed.out_features, bias)
+        return native_linear.linear(x, packed.tensor, packed.out_features, bias)
+    if packed.kind == "native_bf16":
+        return native_linear.linear_bf16(x, packed.tensor, packed.out_features, bias,
+                                         widen=native_linear.bf16_tile() == "widen")
     rows = x.shape[0]
     if rows >= MKL_MIN_ROWS or (rows == 1 and torch.get_num_threads() == 1):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+
+
+def describe(dtype: torch.dtype) -> dict:
+    """The CPU and the kernels a model of this dtype gets here, for stats and benchmark records."""
+    info = {**cpu_features.describe(), "native_level": native.cpu_level() if native.available() else None}
+    if dtype == torch.bfloat16:
+        info["bf16_gemm"] = (f"native_{native_linear.bf16_tile()}" if native_linear.linear_bf16_available()
+                             else "onednn" if torch.backends.mkldnn.is_available() else "torch")
+    return info

@@ -8,6 +8,10 @@ Queries are packed: sequence b owns query rows query_start_loc[b]:query_start_lo
 the *last* query_len tokens of its context of seq_lens[b] tokens (positions
 seq_lens[b]-query_len .. seq_lens[b]-1), attending causally to its whole context. Decode is
 query_len == 1; prefill, chunked prefill and prefix-cache hits are all the same shape.
+
+A layer with a sliding window W sees only keys i - W + 1 .. i from query position i (see
+kernels/reference.py). Block-table entries wholly before every query's window may then be
+placeholders for blocks the block manager dropped: no backend reads them.
 """
 from __future__ import annotations
 

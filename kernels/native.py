@@ -1,11 +1,10 @@
 """Native CPU kernels: plain C in kernels/csrc, compiled on first use with the system C compiler
 and called through ctypes.
 
-One library per CPU level (kernels/cpu_features.py: "avx512", "avx2", or "native" elsewhere),
+One library per CPU level (kernels/cpu_features.py: "avx512_bf16", "avx512", "avx2", or "native"),
 compiled with that level's flags; the process loads the one for cpu_level(), logged once when it
 is built or found. A compiler that lacks a level's flags falls back to the level below, with a
-warning. The packed GEMM's panel width belongs to the level (pagedserve_linear_panel()), so
-pack_linear_weight packs for the loaded level and linear() picks the library by the panel width.
+warning. The packed GEMMs' wrappers are in kernels/native_linear.py.
 
 Each library is cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/native/<level>-<key>/,
 the key hashing the sources, the flags, the compiler's version and, for a -march=native build,
@@ -55,7 +54,8 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
     2: (ValueError, "a decode sequence's seq_len is below 1 or beyond its block table"),
     3: (ValueError, "a block table entry used by a decode sequence is outside the KV cache"),
     4: (MemoryError, "out of memory for the attention scratch buffers"),
-    5: (RuntimeError, "this build has no such kernel (the packed GEMM needs AVX2 and FMA)"),
+    5: (RuntimeError, "this build has no such kernel (the packed GEMM needs AVX2 and FMA, "
+                      "the bf16 one AVX512-BF16)"),
 }
 _F32 = torch.float32
 
@@ -63,7 +63,6 @@ _lib: ctypes.CDLL | None = None  # the library for cpu_level()
 _library_path: Path | None = None
 _level: str | None = None
 _libraries: dict[str, ctypes.CDLL] = {}  # by the level asked for, loaded by library()
-_linear_by_panel: dict[int, object] = {}  # panel width -> that library's pagedserve_linear
 
 
 def cache_dir() -> Path:
@@ -115,9 +114,6 @@ def library(level: str) -> ctypes.CDLL:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     _declare(lib)
-    panel = lib.pagedserve_linear_panel()
-    if panel:
-        _linear_by_panel.setdefault(panel, lib.pagedserve_linear)
     return lib
 
 
@@ -200,12 +196,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "pagedserve_paged_decode_attention": [ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64,
-                                              i64, i64, i64, i64, f32, i32],
+                                              i64, i64, i64, i64, f32, i64, f32, i32],
         "pagedserve_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
         "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
         "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32],
         "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "pagedserve_linear_panel": [],
+        "pagedserve_linear_bf16": [ptr, ptr, i64, ptr, ptr, i32, i64, i64, i64, i32],
+        "pagedserve_linear_bf16_panel": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -248,13 +246,17 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float) -> None:
+                           query_start_loc: torch.Tensor, scale: float, *,
+                           sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> None:
     """Decode attention into out, reading K/V in place through the block tables.
 
     query, out [num_tokens, num_heads, head_dim] (query's rows may be strided, as a view of a fused
     QKV projection); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables
     int32 [batch, width]; seq_lens int32 [batch]; query_start_loc int32 [batch + 1]. Only the rows
     of sequences with query_len 1 are written: the others (prefills) are left as they are.
+    sliding_window and logits_soft_cap as in kernels/reference.py; block table entries wholly
+    outside the window are never read (nor checked).
     """
     lib = _lib or _library()
     if not (_fits(out) and _fits(kv_cache) and query.dtype is _F32 and query.is_cpu):
@@ -279,7 +281,8 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     _check(lib.pagedserve_paged_decode_attention(
         out.data_ptr(), query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
         block_tables.data_ptr(), width, seq_lens.data_ptr(), query_start_loc.data_ptr(),
-        batch, num_tokens, num_heads, num_kv_heads, head_dim, scale, torch.get_num_threads()))
+        batch, num_tokens, num_heads, num_kv_heads, head_dim, scale, sliding_window or 0,
+        logits_soft_cap or 0.0, torch.get_num_threads()))
 
 
 def _norm_rows(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor, other_name: str) -> int:
@@ -322,56 +325,3 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     inter = shape[-1]
     lib.pagedserve_silu_and_mul(out.data_ptr(), x.data_ptr(), out.numel() // inter if inter else 0,
                                 inter, torch.get_num_threads())
-
-
-@functools.cache
-def linear_available() -> bool:
-    """Whether the packed-panel GEMM runs here (x86-64 with AVX2 and FMA, or AVX-512)."""
-    return available() and bool(_lib.pagedserve_linear_panel())
-
-
-def linear_panel(level: str | None = None) -> int:
-    """Columns per packed weight panel for level's GEMM (default: the loaded level); 0 if none."""
-    lib = _library() if level is None else library(level)
-    return lib.pagedserve_linear_panel()
-
-
-def pack_linear_weight(weight: torch.Tensor, level: str | None = None) -> torch.Tensor:
-    """[n, k] float32 weight -> [ceil(n / panel), k, panel] panels, zero-padded, for linear(),
-    panel being linear_panel(level): the packed layout belongs to the level that packed it."""
-    if not _fits(weight):
-        _explain(weight=weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out, in], got shape {list(weight.shape)}")
-    panel = linear_panel(level)
-    if not panel:
-        raise RuntimeError(_STATUS[5][1])
-    n, k = weight.shape
-    padded = torch.zeros((n + panel - 1) // panel * panel, k)
-    padded[:n] = weight
-    return padded.view(-1, panel, k).transpose(1, 2).contiguous()
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x [rows, k] (rows may be strided) . W^T (+ bias) -> [rows, n], W packed by
-    pack_linear_weight; runs the GEMM of the level whose panel width the packing has."""
-    if _lib is None:
-        _library()
-    gemm = _linear_by_panel.get(packed.shape[-1]) if packed.dim() == 3 else None
-    if not (x.dtype is _F32 and x.is_cpu and _fits(packed)):
-        _explain(x=x.contiguous(), packed=packed)
-    if x.dim() != 2 or gemm is None or packed.shape[1] != x.shape[1] or packed.shape[0] * packed.shape[2] < n:
-        raise ValueError(f"x {list(x.shape)} does not fit packed weight {list(packed.shape)} with n={n}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        if not _fits(bias):
-            _explain(bias=bias)
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape [{n}], got {list(bias.shape)}")
-    rows, k = x.shape
-    out = torch.empty(rows, n)
-    _check(gemm(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
-                None if bias is None else bias.data_ptr(), rows, n, k, torch.get_num_threads()))
-    return out

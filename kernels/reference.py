@@ -1,6 +1,12 @@
 """Pure-torch paged attention and KV store: the spec every other backend must match.
 
 Written for clarity, one sequence at a time, computing in float32.
+
+Two per-layer options, both None by default (plain causal attention):
+- sliding_window W (transformers' semantics): the query at position i attends to key j iff
+  j <= i and i - j < W. Keys older than every query's window are never read, so their block-table
+  entries may be placeholders (the block manager drops such blocks).
+- logits_soft_cap c (Gemma 2): scores = c * tanh(scores / c) after scaling, before the mask.
 """
 from __future__ import annotations
 
@@ -18,18 +24,28 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     flat[1, slot_mapping] = value.to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len cached K and V of one sequence: [seq_len, num_kv_heads, head_dim] each."""
+    """Cached K and V of positions first..seq_len-1 of one sequence: [seq_len - first,
+    num_kv_heads, head_dim] each. Blocks wholly before `first` are not read."""
     block_size = kv_cache.shape[2]
+    first_block = first // block_size
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, nb, bs, h, d]
-    blocks = blocks.flatten(1, 2)[:, :seq_len]
+    blocks = kv_cache[:, block_table[first_block:num_blocks].long()]  # [2, nb, bs, h, d]
+    blocks = blocks.flatten(1, 2)[:, first - first_block * block_size:seq_len - first_block * block_size]
     return blocks[0], blocks[1]
 
 
+def first_key_position(seq_len: int, query_len: int, sliding_window: int | None) -> int:
+    """The oldest position any of the sequence's queries attends to."""
+    if sliding_window is None:
+        return 0
+    return max(0, seq_len - query_len - sliding_window + 1)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -39,14 +55,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         start = int(metadata.query_start_loc[b])
         q_len = metadata.query_lens_cpu[b]
         s_len = metadata.seq_lens_cpu[b]
-        k, v = gather_kv(kv_cache, metadata.block_tables[b], s_len)
+        first = first_key_position(s_len, q_len, sliding_window)
+        k, v = gather_kv(kv_cache, metadata.block_tables[b], s_len, first)
         k = k.float().repeat_interleave(group, dim=1)  # [s, h, d]
         v = v.float().repeat_interleave(group, dim=1)
         q = query[start:start + q_len].float()  # [q, h, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         q_pos = torch.arange(s_len - q_len, s_len, device=query.device)[:, None]
-        k_pos = torch.arange(s_len, device=query.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(first, s_len, device=query.device)[None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= q_pos - k_pos >= sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

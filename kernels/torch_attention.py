@@ -13,6 +13,11 @@ Dtypes, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half t
 SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster than fp32 on this
 CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32: torch's CPU fp16
 kernels are several times slower.
+
+A sliding window gathers only the blocks some query's window reaches (a long prefill runs in query
+tiles, each gathering its own span), so dropped blocks are never read and the cost follows the
+window, not the context. A logits soft cap needs the scores themselves, so those calls compute
+softmax(cap * tanh(q k^T * scale / cap)) v explicitly instead of calling SDPA.
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ from kernels.metadata import AttentionMetadata
 # to DRAM and page-faults (2-3x slower at 64 x 1024 tokens), per-sequence calls pay Python overhead
 # on short contexts; 1-4 MB groups were equally good, 8 MB and up slower.
 DECODE_GROUP_BYTES = 2 << 20
+# Queries per call of a windowed or soft-capped prefill: a tile reads only the keys its window
+# reaches, and a soft cap's explicit scores stay [heads, tile, tile + window] floats.
+PREFILL_QUERY_TILE = 512
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -42,10 +50,12 @@ def decode_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, *, use_native: bool = True) -> torch.Tensor:
+                    scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, use_native: bool = True) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype.
 
-    use_native=False keeps float32 decodes on the torch path (tests and benchmarks compare them).
+    sliding_window and logits_soft_cap as in kernels/reference.py. use_native=False keeps float32
+    decodes on the torch path (tests and benchmarks compare them).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
     starts = metadata.query_start_loc_cpu
@@ -55,12 +65,21 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
             query = query.contiguous()
         # One call for the whole batch: the kernel skips the prefills, written below.
         native.paged_decode_attention(out, query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                      metadata.query_start_loc, scale)
-    elif decodes:
+                                      metadata.query_start_loc, scale, sliding_window=sliding_window,
+                                      logits_soft_cap=logits_soft_cap)
+    elif decodes and sliding_window is None and logits_soft_cap is None:
         _decode(query, kv_cache, metadata, scale, out, starts, decodes)
+    elif decodes:
+        _decode_windowed(query, kv_cache, metadata, scale, out, starts, decodes, sliding_window,
+                         logits_soft_cap)
     for b, q_len in enumerate(metadata.query_lens_cpu):
-        if q_len > 1:
+        if q_len <= 1:
+            continue
+        if sliding_window is None and logits_soft_cap is None:
             _prefill(query, kv_cache, metadata, scale, out, starts[b], q_len, b)
+        else:
+            _prefill_windowed(query, kv_cache, metadata, scale, out, starts[b], q_len, b,
+                              sliding_window, logits_soft_cap)
     return out
 
 
@@ -155,3 +174,83 @@ def _prefill(query, kv_cache, metadata, scale, out, start, q_len, b) -> None:
         mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start:start + q_len] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _attend(q, k, v, mask, scale, logits_soft_cap):
+    """softmax(q k^T * scale [soft-capped], masked) v, with GQA: q [n, kv_heads, m, d] against
+    k, v [n, kv_heads, s, d]; mask (True = attend) broadcasts against [n, kv_heads, m, s]."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _decode_windowed(query, kv_cache, metadata, scale, out, starts, decodes, sliding_window,
+                     logits_soft_cap) -> None:
+    """Decodes with a window and/or soft cap: each sequence gathers only the blocks its window
+    reaches (none of the dropped ones), padded to the group's widest and masked."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    dtype = decode_dtype(kv_cache.dtype)
+    device = query.device
+    seq_lens = metadata.seq_lens_cpu
+    first_block = [0] * len(seq_lens)
+    spans = list(seq_lens)  # positions gathered per sequence, from its first block
+    for b in decodes:
+        if sliding_window is not None:
+            first_block[b] = max(0, seq_lens[b] - sliding_window) // block_size
+        spans[b] = seq_lens[b] - first_block[b] * block_size
+    token_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+    for members in _decode_groups(decodes, spans, token_bytes):
+        count = len(members)
+        num_blocks = -(-max(spans[b] for b in members) // block_size)
+        members_t = torch.tensor(members, device=device)
+        firsts = torch.tensor([first_block[b] for b in members], device=device)
+        columns = (firsts[:, None] + torch.arange(num_blocks, device=device)[None, :])
+        columns = columns.clamp_(max=metadata.block_tables.shape[1] - 1)  # past the end: masked
+        tables = metadata.block_tables.index_select(0, members_t).gather(1, columns)
+        block_ids = tables.flatten().long()
+        k = _gather(kv_cache[0], block_ids, count).to(dtype)
+        v = _gather(kv_cache[1], block_ids, count).to(dtype)
+        rows = torch.tensor([starts[b] for b in members], device=device)
+        q = query.index_select(0, rows).to(dtype).reshape(count, num_kv_heads, group, head_dim)
+        positions = firsts[:, None] * block_size + torch.arange(num_blocks * block_size, device=device)
+        lens = torch.tensor([seq_lens[b] for b in members], device=device)[:, None]
+        mask = positions < lens
+        if sliding_window is not None:
+            mask &= positions >= lens - sliding_window
+        o = _attend(q, k, v, mask[:, None, None, :], scale, logits_soft_cap)
+        out.index_copy_(0, rows, o.reshape(count, num_heads, head_dim).to(out.dtype))
+
+
+def _prefill_windowed(query, kv_cache, metadata, scale, out, start, q_len, b, sliding_window,
+                      logits_soft_cap) -> None:
+    """One prefill chunk with a window and/or soft cap, PREFILL_QUERY_TILE queries at a time,
+    each tile gathering the blocks from its first query's window to its last query."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // num_kv_heads
+    s_len = metadata.seq_lens_cpu[b]
+    device = query.device
+    tile = PREFILL_QUERY_TILE
+    for first in range(0, q_len, tile):
+        count = min(tile, q_len - first)
+        q_pos0 = s_len - q_len + first  # position of the tile's first query
+        lo = 0 if sliding_window is None else max(0, q_pos0 - sliding_window + 1) // block_size
+        hi = -(-(q_pos0 + count) // block_size)
+        block_ids = metadata.block_tables[b, lo:hi].long()
+        k = _gather(kv_cache[0], block_ids, 1).float()  # [1, kv_heads, n, d]
+        v = _gather(kv_cache[1], block_ids, 1).float()
+        q = query[start + first:start + first + count].float().transpose(0, 1)  # [heads, count, d]
+        q = q.reshape(1, num_kv_heads, group * count, head_dim)  # a KV head's queries, head-major
+        q_pos = torch.arange(q_pos0, q_pos0 + count, device=device)[:, None]
+        k_pos = torch.arange(lo * block_size, hi * block_size, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= q_pos - k_pos < sliding_window
+        o = _attend(q, k, v, mask.repeat(group, 1), scale, logits_soft_cap)  # [1, kv, group*count, d]
+        o = o.reshape(num_heads, count, head_dim).transpose(0, 1)
+        out[start + first:start + first + count] = o.to(out.dtype)

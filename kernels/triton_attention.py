@@ -83,9 +83,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int) -> int:
+def choose_num_splits(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_heads: int,
+                      sliding_window: int | None = None) -> int:
     """Split-K factor for the decodes of this batch: 1 unless programs would leave SMs idle."""
-    decode_lens = [s for q, s in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu) if q == 1]
+    decode_lens = [min(s, sliding_window or s)
+                   for q, s in zip(metadata.query_lens_cpu, metadata.seq_lens_cpu) if q == 1]
     if not decode_lens:
         return 1
     programs = len(decode_lens) * kv_cache.shape[3]
@@ -98,10 +100,12 @@ def choose_num_splits(metadata: AttentionMetadata, kv_cache: torch.Tensor, num_h
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype.
 
-    num_splits forces the decode split-K factor (1: no split); None lets choose_num_splits decide.
+    sliding_window and logits_soft_cap as in kernels/reference.py. num_splits forces the decode
+    split-K factor (1: no split); None lets choose_num_splits decide.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -115,13 +119,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     compute_dtype, precision = _dot_dtype(query, kv_cache)
     common = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
               *_cache_strides(kv_cache), metadata.block_tables.stride(0))
+    options = (sliding_window or 0, (logits_soft_cap or 0.0) * triton_kernels.LOG2E)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=_block_d(head_dim),
-                COMPUTE_DTYPE=compute_dtype, PRECISION=precision)
+                COMPUTE_DTYPE=compute_dtype, PRECISION=precision,
+                HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None)
     num_seqs = metadata.num_seqs
     qk_scale = scale * triton_kernels.LOG2E
 
     if 1 in metadata.query_lens_cpu:
-        splits = num_splits or choose_num_splits(metadata, kv_cache, num_heads)
+        splits = num_splits or choose_num_splits(metadata, kv_cache, num_heads, sliding_window)
         if splits > 1:
             partial_out = torch.empty(num_seqs, num_heads, splits, meta["BLOCK_D"],
                                       dtype=torch.float32, device=query.device)
@@ -130,7 +136,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
             partial_out = partial_lse = out  # unused
         _launch(triton_kernels.decode_kernel, (num_seqs, num_kv_heads, splits),
                 out, partial_out, partial_lse, query, kv_cache, metadata.block_tables,
-                metadata.seq_lens, metadata.query_start_loc, qk_scale, *common, num_heads,
+                metadata.seq_lens, metadata.query_start_loc, qk_scale, *common, num_heads, *options,
                 BLOCK_G=max(16, triton.next_power_of_2(group)), TILE_N=DECODE_TILE_N,
                 NUM_SPLITS=splits, num_warps=4, **meta)
         if splits > 1:
@@ -144,6 +150,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         grid = (num_seqs, triton.cdiv(metadata.max_query_len, PREFILL_BLOCK_M), num_heads)
         _launch(triton_kernels.prefill_kernel, grid,
                 out, query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                metadata.query_start_loc, qk_scale, *common,
+                metadata.query_start_loc, qk_scale, *common, *options,
                 BLOCK_M=PREFILL_BLOCK_M, TILE_N=PREFILL_TILE_N, num_warps=4, **meta)
     return out

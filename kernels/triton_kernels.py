@@ -8,6 +8,13 @@ block_size: any block size works, including ones smaller than 16.
 Softmax runs in the log2 domain (exp2 is the hardware instruction): scores are scaled by
 scale * log2(e), and a split's log-sum-exp is kept in log2 units too.
 
+HAS_WINDOW and HAS_SOFT_CAP are compile-time switches, so the plain causal kernels are unchanged.
+With a sliding window the K/V loops start at the first tile some query's window reaches and the
+loads are masked to the window, so block-table entries older than it (dropped blocks) are never
+read. A prefill row may see nothing in a tile, so the window path guards its running max.
+The soft cap c works in log2 units too: soft_cap_log2 = c * log2(e), s = soft_cap_log2 *
+tanh(s / soft_cap_log2), which equals log2(e) * c * tanh(scale * q.k / c).
+
 Arithmetic is float32 except the two tl.dot inputs, which are COMPUTE_DTYPE: the storage dtype for
 fp16/bf16 on a GPU (tensor cores, fp32 accumulation), float32 for fp32 storage (with IEEE
 precision, not TF32) and always under TRITON_INTERPRET=1, whose bf16 arithmetic is wrong.
@@ -51,6 +58,12 @@ def _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (the interpreter and every GPU have it): 1 - 2 / (e^2x + 1), saturating."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE: tl.constexpr):
     """One tile of K and V (rows at `offsets`), loaded and cast to the compute dtype."""
     k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE_DTYPE)
@@ -65,10 +78,11 @@ def decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
                   qk_scale,
                   stride_query_token, stride_query_head, stride_out_token, stride_out_head,
                   stride_cache_kv, stride_cache_block, stride_cache_pos, stride_cache_head,
-                  stride_block_table, num_heads,
+                  stride_block_table, num_heads, sliding_window, soft_cap_log2,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr):
     """Grid (num_seqs, num_kv_heads, NUM_SPLITS). One program: all GROUP query heads that share one
     KV head (so each K/V tile is read once for the group), over split `program_id(2)` of the context.
 
@@ -84,8 +98,15 @@ def decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first_tile = split * tiles_per_split
+    if HAS_WINDOW:  # the query at seq_len - 1 sees positions seq_len - window .. seq_len - 1
+        window_start = tl.maximum(seq_len - sliding_window, 0)
+        start_tile = window_start // TILE_N
+        tiles_per_split = tl.cdiv(num_tiles - start_tile, NUM_SPLITS)
+        first_tile = start_tile + split * tiles_per_split
+    else:
+        window_start = 0
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     # The group's query heads are padded to BLOCK_G rows (>= 16, the smallest tl.dot tile).
@@ -105,11 +126,15 @@ def decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     for tile in range(first_tile, last_tile):
         pos = tile * TILE_N + n
         pos_mask = pos < seq_len
+        if HAS_WINDOW:
+            pos_mask = pos_mask & (pos >= window_start)
         offsets = _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
                               stride_cache_block, stride_cache_pos, stride_cache_head, BLOCK_SIZE)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k, v = _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if HAS_SOFT_CAP:
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds at least one position
         alpha = tl.exp2(m - m_new)
@@ -160,10 +185,11 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr
                    qk_scale,
                    stride_query_token, stride_query_head, stride_out_token, stride_out_head,
                    stride_cache_kv, stride_cache_block, stride_cache_pos, stride_cache_head,
-                   stride_block_table,
+                   stride_block_table, sliding_window, soft_cap_log2,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr,
-                   COMPUTE_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   COMPUTE_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr):
     """Grid (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads). One program: BLOCK_M consecutive
     query tokens of one sequence's chunk, one query head. The chunk is the last query_len tokens of
     the context, so query i sits at position seq_len - query_len + i and sees keys 0..that position
@@ -195,24 +221,43 @@ def prefill_kernel(out_ptr, query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr
     n = tl.arange(0, TILE_N)
     # Keys past this tile's last query position are masked for every row: stop there.
     kv_end = tl.minimum(seq_len, seq_len - query_len + (m_tile + 1) * BLOCK_M)
-    for start in range(0, kv_end, TILE_N):
+    if HAS_WINDOW:  # and keys before the tile's first query's window, for every row too
+        window_start = tl.maximum(seq_len - query_len + m_tile * BLOCK_M - sliding_window + 1, 0)
+        kv_start = window_start // TILE_N * TILE_N
+    else:
+        window_start = 0
+        kv_start = 0
+    for start in range(kv_start, kv_end, TILE_N):
         pos = start + n
         pos_mask = pos < kv_end
+        if HAS_WINDOW:
+            pos_mask = pos_mask & (pos >= window_start)
         offsets = _kv_offsets(block_table_ptr, pos, pos_mask, kv_head,
                               stride_cache_block, stride_cache_pos, stride_cache_head, BLOCK_SIZE)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k, v = _load_kv_tile(cache_ptr, stride_cache_kv, offsets, d, kv_mask, COMPUTE_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        # Causal with the chunk's offset. Position 0 is visible to every row (padding rows too),
-        # so no row is ever all -inf and m stays finite after the first tile.
-        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if HAS_SOFT_CAP:
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
+        # Causal with the chunk's offset. Without a window, position 0 is visible to every row
+        # (padding rows too), so no row is ever all -inf and m stays finite after the first tile.
+        visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - pos[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if HAS_WINDOW:  # a row that has seen nothing yet keeps m = -inf: subtract 0 instead
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_ref = m_new
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=PRECISION)
         m = m_new
 
+    if HAS_WINDOW:  # padding rows may have seen nothing
+        l = tl.where(l > 0, l, 1.0)
     out = acc / l[:, None]
     tl.store(out_ptr + (row0 + i)[:, None] * stride_out_token + head * stride_out_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])

@@ -66,6 +66,11 @@ def record_launches():
         for splits in (1, 4):
             triton_attention.paged_attention(case.query, case.kv_cache, case.metadata, case.scale,
                                              num_splits=splits)
+    # The sliding-window and soft-cap variants (Mistral, Gemma 2), on the default model's shape.
+    case = Case([(1, 40), (1, 2000), (37, 50)], num_heads=9, num_kv_heads=3, dtype=torch.bfloat16)
+    for splits in (1, 4):
+        triton_attention.paged_attention(case.query, case.kv_cache, case.metadata, case.scale,
+                                         sliding_window=32, logits_soft_cap=50.0, num_splits=splits)
     return launches
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu_features, native, norm_act, reference, torch_attention
-from tests.kernels.kernel_cases import Case, assert_close
+from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 
 if not native.available():
     pytest.skip("native CPU kernels unavailable (no C compiler, or PAGEDSERVE_NATIVE=0)",
@@ -281,3 +281,35 @@ def test_bad_inputs_raise():
                  lambda: native.silu_and_mul(torch.empty(4, 32), torch.randn(64, 4).t())]:
         with pytest.raises(ValueError):
             call()
+
+
+@pytest.mark.parametrize("soft_cap", [None, SOFT_CAP], ids=["no_cap", "soft_cap"])
+@pytest.mark.parametrize("window", [1, 7, 16, 100, 1000])
+@pytest.mark.parametrize("shape", SHAPES[:4] + SHAPES[5:6], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_windowed_decode_matches_reference(shape, window, soft_cap):
+    heads, kv_heads, head_dim, block_size = shape
+    case = Case([(1, n) for n in CONTEXTS], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, sliding_window=window)
+    cache = case.stored_cache(reference.store_kv)
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
+    m = case.metadata
+    out = torch.full(case.query.shape, float("nan"))
+    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                  case.scale, **kwargs)
+    assert_close(out, expected, torch.float32)
+
+
+def test_windowed_decode_checks_only_the_window():
+    # Entries outside the window may be anything (dropped blocks); inside it they are checked.
+    case = Case([(1, 100)], num_heads=4, num_kv_heads=2, block_size=8, sliding_window=20)
+    cache = case.stored_cache(reference.store_kv)
+    m = case.metadata
+    m.block_tables[0, :9] = -5  # positions 0..71: all before the window (80..99)
+    out = torch.empty_like(case.query)
+    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                                  case.scale, sliding_window=20)
+    m.block_tables[0, 10] = -5
+    with pytest.raises(ValueError, match="block table entry"):
+        native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                      m.query_start_loc, case.scale, sliding_window=20)

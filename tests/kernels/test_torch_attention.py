@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import Case, assert_close
+from tests.kernels.kernel_cases import SOFT_CAP, WINDOW_BATCHES, Case, assert_close
 from kernels import reference, torch_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -59,3 +59,52 @@ def test_empty_batch():
     case = Case([], num_heads=4, num_kv_heads=2)
     out = torch_attention.paged_attention(case.query, case.kv_cache, case.metadata, case.scale)
     assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("soft_cap", [None, SOFT_CAP], ids=["no_cap", "soft_cap"])
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name,seqs,window", WINDOW_BATCHES, ids=[b[0] for b in WINDOW_BATCHES])
+def test_sliding_window_matches_reference(name, seqs, window, dtype, use_native, soft_cap):
+    case = Case(seqs, num_heads=6, num_kv_heads=2, block_size=8, dtype=dtype, sliding_window=window,
+                packed=True)
+    cache = case.stored_cache(reference.store_kv)
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
+    actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale,
+                                             use_native=use_native, **kwargs)
+    assert_close(actual, expected, case.dtype)
+
+
+def test_soft_cap_without_window():
+    case = Case(BATCHES["mixed"], num_heads=9, num_kv_heads=3)
+    cache = case.stored_cache(reference.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, logits_soft_cap=SOFT_CAP)
+    for use_native in (True, False):
+        actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale,
+                                                 logits_soft_cap=SOFT_CAP, use_native=use_native)
+        assert_close(actual, expected, torch.float32)
+
+
+def test_windowed_decode_groups(monkeypatch):
+    monkeypatch.setattr(torch_attention, "DECODE_GROUP_BYTES", 30 * 2 * 2 * 64 * 4 * 2)
+    case = Case([(1, n) for n in (5, 90, 17, 64, 33, 120)], num_heads=6, num_kv_heads=2,
+                sliding_window=24)
+    cache = case.stored_cache(reference.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, sliding_window=24)
+    actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale,
+                                             sliding_window=24, use_native=False)
+    assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [13, None])
+def test_windowed_prefill_query_tiles(monkeypatch, window):
+    # Tiles smaller than the chunks: each gathers its own span of blocks.
+    monkeypatch.setattr(torch_attention, "PREFILL_QUERY_TILE", 16)
+    case = Case([(70, 70), (20, 120), (33, 33), (1, 50)], num_heads=6, num_kv_heads=2, block_size=8,
+                sliding_window=window)
+    cache = case.stored_cache(reference.store_kv)
+    kwargs = dict(sliding_window=window, logits_soft_cap=SOFT_CAP)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
+    actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
+    assert_close(actual, expected, torch.float32)

@@ -4,7 +4,7 @@ that the same launches compile for a real GPU."""
 import pytest
 import torch
 
-from tests.kernels.kernel_cases import Case, assert_close
+from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 from kernels import reference, triton_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -13,11 +13,12 @@ BOUNDARY_DECODES = [(1, 1), (1, 16), (1, 17), (1, 32), (1, 150)]  # contexts 1, 
 MIXED = [(1, 40), (70, 90), (1, 1), (9, 9), (1, 33), (16, 16)]  # decodes, a 2-tile chunk over a prefix
 
 
-def run(case: Case, num_splits=None) -> None:
+def run(case: Case, num_splits=None, logits_soft_cap=None) -> None:
     cache = case.stored_cache(reference.store_kv)
-    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    kwargs = dict(sliding_window=case.sliding_window, logits_soft_cap=logits_soft_cap)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
     actual = triton_attention.paged_attention(case.query, cache, case.metadata, case.scale,
-                                              num_splits=num_splits)
+                                              num_splits=num_splits, **kwargs)
     assert_close(actual, expected, case.dtype)
 
 
@@ -65,6 +66,26 @@ def test_prefill_shapes(heads, head_dim, block_size):
     # Prefills only (no decode launch): a fresh prompt and a chunk after a cached prefix.
     run(Case([(20, 20), (5, 37)], num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
              block_size=block_size, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.parametrize("window,soft_cap,num_splits", [
+    (20, None, 1),  # a window shorter than most contexts, reaching into a block partway
+    (37, SOFT_CAP, 3),  # split-K over the window only, soft-capped
+    (1000, None, 2),  # longer than every context: plain causal attention
+])
+def test_sliding_window_decode(window, soft_cap, num_splits):
+    seqs = [(1, 1), (1, 17), (1, 37), (1, 150), (1, 333)]
+    run(Case(seqs, num_heads=9, num_kv_heads=3, block_size=8, device=DEVICE, sliding_window=window),
+        num_splits, soft_cap)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(24, None), (13, SOFT_CAP), (70, None)])
+def test_sliding_window_prefill(window, soft_cap):
+    # Two query tiles of a fresh prompt (the second starts past the window), a chunk after a
+    # prefix whose first blocks are dropped, and a decode beside them.
+    seqs = [(70, 70), (20, 120), (1, 90)]
+    run(Case(seqs, num_heads=4, num_kv_heads=2, block_size=8, device=DEVICE, sliding_window=window),
+        num_splits=1, logits_soft_cap=soft_cap)
 
 
 def test_automatic_split_choice():
