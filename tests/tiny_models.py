@@ -90,3 +90,73 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, tie_word_embed
     gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(gen))
     return out_dir
+
+
+# Tiny configs of the other supported families, each exercising its quirks. Sizes are shared:
+# hidden 64, 4 heads, a vocab of the tiny tokenizer's size; the rest is per family.
+FAMILY_CONFIGS = {
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=1024, n_inner=128)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, rotary_pct=0.25, use_parallel_residual=True,
+                                       max_position_embeddings=1024)),
+    "gpt_neox_sequential": ("GPTNeoXConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                  intermediate_size=128, rotary_pct=0.25,
+                                                  use_parallel_residual=False, max_position_embeddings=1024)),
+    "opt": ("OPTConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                              do_layer_norm_before=False, word_embed_proj_dim=32,
+                              max_position_embeddings=1024)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                                  max_position_embeddings=1024)),
+    "phi3": ("Phi3Config", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024,
+                                original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                              "long_factor": [2.0, 4.0, 8.0, 16.0]})),
+    "mistral_window": ("MistralConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128, sliding_window=8,
+                                             max_position_embeddings=1024)),  # every layer windowed
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=1024)),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                    sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0, max_position_embeddings=1024)),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                        sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                        rope_theta=1000.0, rope_local_base_freq=100.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                        max_position_embeddings=1024)),
+}
+
+
+def build_tiny_family(out_dir: str | Path, family: str, *, seed: int = 0, initializer_range: float = 0.2,
+                      **overrides) -> Path:
+    """Save a seeded random checkpoint of one of FAMILY_CONFIGS (+ the tokenizer); returns out_dir.
+
+    Biases and norm weights, which transformers initialises to constants, are randomised too, so
+    a model that dropped or misplaced one would not match.
+    """
+    import torch
+    import transformers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    config_name, fields = FAMILY_CONFIGS[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), initializer_range=initializer_range,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **{**fields, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen))
+    return out_dir

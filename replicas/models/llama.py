@@ -1,136 +1,40 @@
-"""One torch decoder for the Llama family: Llama, Mistral (without a sliding window) and Qwen2.
+"""The Llama-shaped decoders: Llama, Mistral, Qwen2, Qwen3 and Phi-3.
 
-Differences are config fields: grouped-query attention, an explicit head_dim, q/k/v biases (Qwen2),
-rope scaling, tied embeddings. q/k/v and gate/up are fused into one matmul each at load time.
-Attention goes through a paged-attention backend: every layer stores the step's K/V into the
-paged cache first, then attends over the cache, so all sequences of a packed batch are handled by
-one call per layer and no Python loop runs per token.
+Their differences are config fields: grouped-query attention, an explicit head_dim, q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), rope scaling (llama3, linear, Phi-3's longrope, a partial
+rotary dim), sliding windows, tied embeddings. q/k/v and gate/up are fused into one matmul each:
+at load time from separate checkpoint tensors, or as Phi-3's checkpoints already store them.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear, norm_act
-from kernels.backend import AttentionBackend, get_attention_backend
-from kernels.metadata import AttentionMetadata, kv_cache_shape
-from replicas.models.rotary import RotaryEmbedding, apply_rotary
+from kernels.backend import AttentionBackend
+from replicas.models.attention import Attention
+from replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
+from replicas.models.layers import Embedding, Linear, RMSNorm
+from replicas.models.mlp import GatedMLP
+from replicas.models.rotary import RotaryEmbedding
 
 
-def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
-    # Uninitialised: every parameter is overwritten by load_weights.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
-        super().__init__()
-        self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _weight(out_features, dtype=dtype, device=device) if bias else None
-        self.packed: cpu_linear.PackedWeight | None = None  # set by pack(), after loading
-
-    def pack(self) -> None:
-        self.packed = cpu_linear.pack(self.weight)
-        if self.packed is not None and self.packed.replaces_weight:  # keep one copy in memory
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, self.weight, self.packed, self.bias)
-
-
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
-        super().__init__()
-        self.weight = _weight(num_embeddings, embedding_dim, dtype=dtype, device=device)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def sliding_window_of(config) -> int | None:
-    """The attention window a checkpoint was trained with, or None when attention is full."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
-class RMSNorm(nn.Module):
-    """Normalises in float32 and scales in the model dtype, like the HF reference.
-
-    norm(x) -> y; norm(x, residual) -> (norm(x + residual), x + residual), fused on CPU.
-    """
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device):
-        super().__init__()
-        self.weight = _weight(size, dtype=dtype, device=device)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return norm_act.rms_norm(x, self.weight, self.eps, residual)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim ** -0.5
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        is_qwen2 = config.model_type == "qwen2"
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_size = self.q_size + 2 * self.kv_size
-        self.qkv_proj = Linear(config.hidden_size, qkv_size, is_qwen2 or attention_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias and not is_qwen2,
-                             dtype, device)
-        self.backend = backend
-
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k sit side by side in the fused output: rotate them in one call.
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = apply_rotary(qk, *rotary)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
-        out = self.backend.paged_attention(q, kv_cache, attn_metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, device):
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")
-        self.intermediate_size = config.intermediate_size
-        mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, mlp_bias, dtype, device)
-        self.down_proj = Linear(self.intermediate_size, config.hidden_size, mlp_bias, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(norm_act.silu_and_mul(self.gate_up_proj(x)))
+def llama_attention(config, layer: int, window: int | None, backend: AttentionBackend,
+                    dtype: torch.dtype, device) -> Attention:
+    is_qwen2 = config.model_type == "qwen2"  # q/k/v biases, none on o_proj
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return Attention(hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+                     num_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config),
+                     backend=backend, dtype=dtype, device=device,
+                     qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+                     qk_norm_eps=config.rms_norm_eps if config.model_type == "qwen3" else None,
+                     sliding_window=window)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype, device):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -149,13 +53,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
+    def __init__(self, config, layers: list[nn.Module], dtype: torch.dtype, device):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings,
                                           dtype, device)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
@@ -166,121 +69,39 @@ class LlamaModel(nn.Module):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
-    """The decoder the model runner drives.
-
-    model(input_ids [T], positions [T], kv_caches, attn_metadata) -> final hidden states [T, hidden]
-    for all tokens of the step packed together; compute_logits(rows) -> float32 logits.
-    kv_caches holds one tensor per layer, shaped [2, num_blocks, block_size, num_kv_heads, head_dim].
-    """
+class LlamaForCausalLM(CausalLM):
+    # Our fused projection -> the checkpoint's separate ones, in row order.
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
-                 attention_backend: AttentionBackend | str = "auto",
-                 device: torch.device | str = "cpu"):
-        super().__init__()
-        device = torch.device(device)
-        if isinstance(attention_backend, str):
-            attention_backend = get_attention_backend(attention_backend, device)
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        self.config = config
-        self.dtype = dtype
-        self.attention_backend = attention_backend
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.vocab_size = config.vocab_size
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        window = sliding_window_of(config)
-        # Sequences no longer than the window attend exactly as in training; beyond it they would not.
-        self.max_context_len = min(config.max_position_embeddings, window or config.max_position_embeddings)
-        self.model = LlamaModel(config, attention_backend, dtype, device)
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.tied_lm_head_packed: cpu_linear.PackedWeight | None = None
+                 attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):
+        super().__init__(config, dtype, attention_backend, device)
+        self.model = self.build_model(config)
+        self._init_lm_head(self.model.embed_tokens, config.hidden_size)
 
-    def pack_weights(self) -> None:
-        """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
-        if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
-            self.tied_lm_head_packed = cpu_linear.pack(self.lm_head.weight)
+    def build_model(self, config) -> nn.Module:
+        layers = [LlamaDecoderLayer(config, llama_attention(config, i, window, self.attention_backend,
+                                                            self.dtype, self.device),
+                                    self.build_mlp(config, i), self.dtype, self.device)
+                  for i, window in enumerate(self.sliding_windows)]
+        return LlamaModel(config, layers, self.dtype, self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    def build_mlp(self, config, layer: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                        self.dtype, self.device, bias=bool(getattr(config, "mlp_bias", False)))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        if self.tie_word_embeddings:
-            return cpu_linear.linear(hidden, self.lm_head.weight, self.tied_lm_head_packed).float()
-        return self.lm_head(hidden).float()
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor."""
-        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    # HF projection -> (our fused projection, index of its rows in it)
-    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, casting to the model dtype; fails on missing or unknown names."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:  # a buffer some old checkpoints saved
-                continue
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied checkpoints may still carry a copy of the embedding
-            name, rows = self._target(hf_name)
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-            param = params[name]
-            target = param.data if rows is None else param.data[rows]
-            if target.shape != tensor.shape:
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded.add(hf_name)
-        expected = self._expected_hf_names(params)
-        missing = sorted(expected - loaded)
-        if missing:
-            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
-
-    def _target(self, hf_name: str) -> tuple[str, slice | None]:
-        parts = hf_name.split(".")
-        if len(parts) >= 2 and parts[-2] in self._FUSED:
-            fused, shard = self._FUSED[parts[-2]]
-            name = ".".join(parts[:-2] + [fused, parts[-1]])
-            return name, self._shard_rows(fused, shard)
-        return hf_name, None
-
-    def _shard_rows(self, fused: str, shard: int) -> slice:
+    def checkpoint_sources(self, name: str) -> list[tuple[str, slice | None]]:
+        parts = name.split(".")
+        fused = parts[-2] if len(parts) >= 2 else None
+        if fused not in self.FUSED or self.config.model_type == "phi3":  # Phi-3 stores them fused
+            return [(name, None)]
         if fused == "qkv_proj":
-            q_size = self.config.num_attention_heads * self.head_dim
-            kv_size = self.num_kv_heads * self.head_dim
-            starts = (0, q_size, q_size + kv_size)
-            sizes = (q_size, kv_size, kv_size)
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            sizes = [q_size, kv_size, kv_size]
         else:
-            size = self.config.intermediate_size
-            starts, sizes = (0, size), (size, size)
-        return slice(starts[shard], starts[shard] + sizes[shard])
+            sizes = [self.config.intermediate_size] * 2
+        prefix = ".".join(parts[:-2])
+        return split_rows(sizes, [f"{prefix}.{hf}.{parts[-1]}" for hf in self.FUSED[fused]])
 
-    def _expected_hf_names(self, params: dict[str, nn.Parameter]) -> set[str]:
-        unfused = {fused: [hf for hf, (f, _) in self._FUSED.items() if f == fused]
-                   for fused in ("qkv_proj", "gate_up_proj")}
-        names = set()
-        for name in params:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in unfused:
-                names.update(".".join(parts[:-2] + [hf, parts[-1]]) for hf in unfused[parts[-2]])
-            else:
-                names.add(name)
-        return names
+
+__all__ = ["Linear", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "llama_attention"]

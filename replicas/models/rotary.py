@@ -1,5 +1,6 @@
 """Rotary position embedding: frequencies from the HF config, a cos/sin table built once, and the
-rotation itself (the "rotate half" layout HF Llama, Mistral and Qwen2 checkpoints use).
+rotation itself ("rotate half" layout, as HF checkpoints of every rotary family here use), on all
+of a head or on its first rotary_dim dims (GPT-NeoX's rotary_pct, Phi's partial_rotary_factor).
 """
 from __future__ import annotations
 
@@ -7,34 +8,52 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """rope_theta, rope_type and the scaling fields, from either config generation.
 
-    transformers 5 keeps everything under `config.rope_parameters`; 4.x has `config.rope_theta` and
-    an optional `config.rope_scaling` dict whose type key is `rope_type` or the older `type`.
+    transformers 5 keeps everything under `config.rope_parameters` (per layer type for Gemma 3);
+    4.x has `config.rope_theta` and an optional `config.rope_scaling` dict whose type key is
+    `rope_type` or the older `type`, and GPT-NeoX's `rotary_pct`.
     """
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict):
         params = getattr(config, "rope_scaling", None)
     params = dict(params or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        params = {"rope_theta": config.rope_local_base_freq}  # Gemma 3 under transformers 4
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in ("su", "yarn") and getattr(config, "model_type", None) == "phi3":
+        params["rope_type"] = "longrope"  # Phi-3's early names for it, as transformers reads them
     return params
 
 
-def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies, rope scaling applied."""
-    params = rope_parameters(config)
+def rotary_dim(config, head_dim: int, params: dict) -> int:
+    """How many of a head's dims rotate."""
+    factor = (params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+              or getattr(config, "rotary_pct", None) or 1.0)
+    return int(head_dim * factor)
+
+
+def inverse_frequencies(config, dim: int, params: dict | None = None) -> torch.Tensor:
+    """[dim // 2] float32 inverse frequencies for a rotary dim of `dim`, rope scaling applied.
+
+    For longrope these are the short factors' (what positions within the original context use).
+    """
+    params = params or rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}: supported are {SUPPORTED_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if rope_type == "longrope":
+        return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base ** exponents)
+    inv_freq = 1.0 / (base ** exponents)
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
@@ -58,6 +77,26 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_table(config, dim: int, params: dict, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Angles [positions, dim // 2] and the attention factor applied to cos and sin (Phi-3).
+
+    Positions from original_max_position_embeddings on use the long factors, each token by its
+    own position, so a token's rotation never depends on its batch or chunking. transformers
+    instead rotates a whole sequence with the long factors once it outgrows the original context
+    (recomputing its cache at that point): the two agree while a sequence fits it; past it our
+    earlier keys keep their short-factor rotation.
+    """
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = inverse_frequencies(config, dim, params)
+    long = inverse_frequencies(config, dim, dict(params, short_factor=params["long_factor"]))
+    inv_freq = torch.where((positions >= original)[:, None], long[None, :], short[None, :])
+    return positions[:, None] * inv_freq, scaling
+
+
 class RotaryEmbedding(torch.nn.Module):
     """The cos | sin table for every position up to max_positions.
 
@@ -66,21 +105,31 @@ class RotaryEmbedding(torch.nn.Module):
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", layer_type: str | None = None):
         super().__init__()
-        inv_freq = inverse_frequencies(config, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype=dtype, device=device)
-        self.register_buffer("cos_sin", table, persistent=False)  # [max_positions, head_dim]
+        params = rope_parameters(config, layer_type)
+        self.rotary_dim = rotary_dim(config, head_dim, params)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        if params["rope_type"] == "longrope":
+            freqs, scaling = _longrope_table(config, self.rotary_dim, params, positions)
+        else:
+            freqs = positions[:, None] * inverse_frequencies(config, self.rotary_dim, params)[None, :]
+            scaling = 1.0
+        table = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        self.register_buffer("cos_sin", table.to(dtype=dtype, device=device), persistent=False)
         self.max_positions = max_positions
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim // 2]."""
+        """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, rotary_dim // 2]."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, num_heads, head_dim] -> rotated copy (the "rotate half" layout)."""
+    """x [num_tokens, num_heads, head_dim] -> rotated copy; dims past 2 * cos.shape[-1] pass through."""
+    half = cos.shape[-1]
+    if 2 * half != x.shape[-1]:
+        rotated = apply_rotary(x[..., :2 * half], cos, sin)
+        return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -149,16 +149,18 @@ def test_load_weights_rejects_bad_checkpoints(tiny_model_dir):
 
 
 @pytest.mark.parametrize("config_class, fields, expected", [
-    (transformers.MistralConfig, dict(sliding_window=64), 64),
-    (transformers.MistralConfig, dict(sliding_window=None), 256),
-    (transformers.Qwen2Config, dict(sliding_window=64), 256),  # use_sliding_window is False
-    (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), 64),
+    (transformers.MistralConfig, dict(sliding_window=64), [64, 64]),
+    (transformers.MistralConfig, dict(sliding_window=None), [None, None]),
+    (transformers.Qwen2Config, dict(sliding_window=64), [None, None]),  # use_sliding_window is False
+    (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), [None, 64]),
 ])
-def test_max_context_len_stops_at_a_sliding_window(config_class, fields, expected):
+def test_sliding_windows_per_layer(config_class, fields, expected):
     config = config_class(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                           num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
                           max_position_embeddings=256, **fields)
-    assert LlamaForCausalLM(config, attention_backend="reference").max_context_len == expected
+    model = LlamaForCausalLM(config, attention_backend="reference")
+    assert model.sliding_windows == expected
+    assert model.max_context_len == 256  # the backend applies the windows: no cap at them
 
 
 def test_cpu_projections_run_on_packed_weights(tiny_model_dir):

@@ -1,0 +1,147 @@
+"""What every model class shares: the interface the model runner drives, the lm_head (tied or
+not, soft-capped or not), the per-layer sliding windows, and loading HF-named checkpoint tensors
+into our (partly fused) parameters.
+
+A family's file builds `self.model` and calls `_init_lm_head`; where its parameter names differ
+from the checkpoint's it overrides `checkpoint_sources` (and `convert` where a tensor must change
+shape or values on the way in).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from kernels import cpu_linear
+from kernels.backend import AttentionBackend, get_attention_backend
+from kernels.metadata import AttentionMetadata, kv_cache_shape
+from replicas.models.attention import layer_windows
+from replicas.models.layers import Embedding, Linear
+
+# Tensors some checkpoints carry that are buffers, not weights: causal-mask biases (GPT-2,
+# GPT-NeoX) and rotary frequencies.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                    "rotary_emb.inv_freq")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class CausalLM(nn.Module):
+    """The decoder the model runner drives.
+
+    model(input_ids [T], positions [T], kv_caches, attn_metadata) -> final hidden states [T, hidden]
+    for all tokens of the step packed together; compute_logits(rows) -> float32 logits.
+    kv_caches holds one tensor per layer, shaped [2, num_blocks, block_size, num_kv_heads, head_dim].
+    sliding_windows[i] is layer i's attention window (None: full), max_context_len the longest
+    context the model computes as trained.
+    """
+
+    checkpoint_prefix = "model."  # what a base-model checkpoint's names lack (e.g. OPT's "decoder.")
+    lm_head_name = "lm_head.weight"  # the output embedding's name in checkpoints
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32,
+                 attention_backend: AttentionBackend | str = "auto",
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        if isinstance(attention_backend, str):
+            attention_backend = get_attention_backend(attention_backend, device)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.attention_backend = attention_backend
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.vocab_size = config.vocab_size
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.final_logit_soft_cap: float | None = None
+        self.sliding_windows = layer_windows(config)  # the backend applies them: no cap at a window
+        self.max_context_len = config.max_position_embeddings  # the rotary / position table's end
+        self.tied_lm_head_packed: cpu_linear.PackedWeight | None = None
+
+    def _init_lm_head(self, embedding: Embedding, in_features: int) -> None:
+        self.lm_head = embedding if self.tie_word_embeddings else Linear(
+            in_features, self.vocab_size, False, self.dtype, self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def pack_weights(self) -> None:
+        """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
+            self.tied_lm_head_packed = cpu_linear.pack(self.lm_head.weight)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        if self.tie_word_embeddings:
+            logits = cpu_linear.linear(hidden, self.lm_head.weight, self.tied_lm_head_packed)
+        else:
+            logits = self.lm_head(hidden)
+        if self.final_logit_soft_cap is not None:  # in the model dtype, as transformers does
+            logits = torch.tanh(logits / self.final_logit_soft_cap) * self.final_logit_soft_cap
+        return logits.float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    # -- checkpoint loading ------------------------------------------------------------------
+
+    def checkpoint_sources(self, name: str) -> list[tuple[str, slice | None]]:
+        """The checkpoint tensors our parameter `name` is made of, with the rows each one fills."""
+        return [(self.lm_head_name if name == "lm_head.weight" else name, None)]
+
+    def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as our parameter stores it (a transpose, a row order, an offset)."""
+        return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, casting to the model dtype; fails on missing or unknown names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        sources: dict[str, tuple[str, slice | None]] = {}
+        for name in params:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for hf_name, rows in self.checkpoint_sources(name):
+                sources[hf_name] = (name, rows)
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name not in sources and self.checkpoint_prefix + hf_name in sources:
+                hf_name = self.checkpoint_prefix + hf_name
+            if hf_name not in sources:
+                if hf_name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if hf_name == self.lm_head_name and self.tie_word_embeddings:
+                    continue  # tied checkpoints may still carry a copy of the embedding
+                raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+            name, rows = sources[hf_name]
+            param = params[name]
+            target = param.data if rows is None else param.data[rows]
+            tensor = self.convert(hf_name, tensor)
+            if target.shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(hf_name)
+        missing = sorted(set(sources) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+
+
+def split_rows(sizes: list[int], names: list[str]) -> list[tuple[str, slice]]:
+    """(name, rows) for checkpoint tensors stacked in this order into one fused parameter."""
+    out, start = [], 0
+    for name, size in zip(names, sizes):
+        out.append((name, slice(start, start + size)))
+        start += size
+    return out

@@ -1,0 +1,65 @@
+"""Mixtral: the Llama decoder with a sparse mixture-of-experts MLP.
+
+Routing as transformers does it: softmax over the router logits in float32, the top k experts
+per token, their weights renormalised to sum to 1. The (token, expert) pairs are sorted by expert
+so each expert runs one GEMM pair over all of its tokens in the step (a loop over experts, never
+over tokens), and the weighted outputs are scattered back with one index_add.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replicas.models.causal_lm import split_rows
+from replicas.models.layers import Linear
+from replicas.models.llama import LlamaForCausalLM
+from replicas.models.mlp import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, act: str,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = Linear(hidden_size, num_experts, False, dtype, device)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act, dtype, device)
+                                     for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat_experts = experts.flatten()
+        order = flat_experts.argsort(stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()  # one host sync
+        tokens = order // self.top_k
+        grouped = x.index_select(0, tokens)
+        outputs, start = [], 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                outputs.append(expert(grouped[start:start + count]))
+                start += count
+        weighted = torch.cat(outputs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    # Our expert projection -> Mixtral's expert weights (w1 gate, w3 up, w2 down).
+    EXPERT = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+    def build_mlp(self, config, layer: int) -> nn.Module:
+        return SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                         config.num_experts_per_tok, config.hidden_act, self.dtype, self.device)
+
+    def checkpoint_sources(self, name: str) -> list[tuple[str, slice | None]]:
+        if ".mlp." not in name:
+            return super().checkpoint_sources(name)
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+        parts = name.split(".")
+        if parts[-2] not in self.EXPERT:
+            return [(name, None)]  # the router
+        prefix = ".".join(parts[:-2])
+        names = [f"{prefix}.{hf}.{parts[-1]}" for hf in self.EXPERT[parts[-2]]]
+        if len(names) == 1:
+            return [(names[0], None)]
+        return split_rows([self.config.intermediate_size] * 2, names)

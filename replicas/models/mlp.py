@@ -1,0 +1,38 @@
+"""Feed-forward blocks: the gated MLP of Llama-style models (gate and up fused into one matmul)
+and the plain two-matmul MLP of GPT-2, GPT-NeoX and OPT.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replicas.models.layers import Linear, act_and_mul, activation
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); gate_up_proj's rows are [gate | up]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype: torch.dtype, device,
+                 bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        self.act_and_mul = act_and_mul(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class MLP(nn.Module):
+    """down(act(up(x)))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype: torch.dtype, device,
+                 bias: bool = True):
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))

@@ -1,0 +1,114 @@
+"""Every non-Llama family against transformers itself, through the engine: greedy tokens of one
+mixed batch must match `generate` exactly in the default, chunked-prefill and forced-preemption
+modes, and prompt logprobs must match a full forward. Each tiny config exercises its family's
+quirks (tests/tiny_models.py: FAMILY_CONFIGS)."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from replicas import LLM, SamplingParams
+from replicas.models import MODEL_REGISTRY, get_model_class
+from replicas.models.rotary import RotaryEmbedding
+from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family
+
+# Longer than Gemma's 8-token windows and than one 32-token chunk; within Phi-3's original
+# context (64), where transformers' longrope and ours agree.
+PROMPT_LENS = [1, 3, 8, 9, 17, 24, 33, 40]
+MAX_TOKENS = [12, 5, 10, 8, 12, 3, 10, 12]
+MODES = {  # a small KV pool everywhere: allocating the default 1 GiB would cost more than the test
+    "default": dict(num_kv_blocks=64),
+    "chunked_32": dict(num_kv_blocks=64, max_num_batched_tokens=32),
+    # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants ~17
+    "preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def family(request, tmp_path_factory):
+    path = build_tiny_family(tmp_path_factory.mktemp(request.param), request.param)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    vocab_size = hf_model.config.vocab_size
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    expected = []
+    with torch.no_grad():
+        for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                    do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    return SimpleNamespace(name=request.param, path=str(path), hf_model=hf_model, prompts=prompts,
+                           expected=expected)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_transformers(family, mode):
+    llm = LLM(family.path, attention_backend="torch", **MODES[mode])
+    prompt_logprobs = 1 if mode == "default" else None
+    params = [SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=prompt_logprobs)
+              for m in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in family.prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == family.expected
+    stats = llm.llm_engine.stats()
+    if mode == "preempted":
+        assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if prompt_logprobs is None:
+        return
+    for prompt, output in zip(family.prompts, outputs):
+        with torch.no_grad():
+            ref = torch.log_softmax(family.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for p in range(1, len(prompt)):
+            got = output.prompt_logprobs[p][prompt[p]].logprob
+            assert got == pytest.approx(ref[p - 1, prompt[p]].item(), abs=1e-4), (family.name, p)
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones():
+    config = SimpleNamespace(architectures=["GPTJForCausalLM"], model_type="gptj")
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['GPTJForCausalLM'\]") as error:
+        get_model_class(config)
+    for arch in ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "Qwen3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
+        assert arch in MODEL_REGISTRY and arch in str(error.value)
+
+
+def test_phi3_longrope_switches_to_long_factors_past_the_original_context():
+    config = transformers.Phi3Config(**FAMILY_CONFIGS["phi3"][1], vocab_size=32)
+    original = config.rope_parameters["original_max_position_embeddings"]
+    ours = RotaryEmbedding(config, 16, 128, torch.float32)
+    hf = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, dtype=torch.float32)
+    short = torch.arange(original)[None]  # a forward within the original context: short factors
+    long = torch.arange(128)[None]  # one past it: long factors
+    for positions in (short, long):
+        cos, sin = hf(x, positions)
+        half = cos.shape[-1] // 2
+        rows = positions[0] if positions is short else positions[0, original:]
+        got_cos, got_sin = ours(rows)
+        torch.testing.assert_close(got_cos[:, 0], cos[0, -len(rows):, :half])
+        torch.testing.assert_close(got_sin[:, 0], sin[0, -len(rows):, :half])
+
+
+def test_checkpoints_without_the_head_prefix_load_the_same(tmp_path):
+    """The original gpt2 checkpoint names its tensors as GPT2Model does (h.0..., no
+    "transformer."), with causal-mask buffers beside them; both are accepted."""
+    from safetensors.torch import load_file
+
+    from replicas.model_loader import load_config
+
+    path = build_tiny_family(tmp_path, "gpt2")
+    weights = load_file(str(path / "model.safetensors"))
+    bare = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
+    bare["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    model_class = get_model_class(load_config(path))
+    ours = model_class(load_config(path), attention_backend="reference")
+    ours.load_weights(weights.items())
+    theirs = model_class(load_config(path), attention_backend="reference")
+    theirs.load_weights(bare.items())
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b), name
