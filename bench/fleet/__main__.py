@@ -1,0 +1,148 @@
+"""python -m bench.fleet --replicas N --rate R --duration-s S --workload llmd|chat|nosharing|diurnal
+   --routers pagedserve,p2c,approx,random,oracle --seed K --out FILE.json
+
+Runs the same workload (same seed) through each router on a fresh simulated fleet, prints a
+table and the ratios against pagedserve's router, and writes FILE.json and FILE.png. `--quick`
+is a small run for a laptop-sized check; the defaults are small too. The diurnal workload turns on
+the autoscaler (from --min-replicas, starting at --replicas) and reports replica-seconds against
+the ideal: the replicas the offered load needs at full batches and perfect caching, each second.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, cpu_info
+from bench.fleet import cost_model as costs
+from bench.fleet.autoscaler import AutoscalerSettings
+from bench.fleet.fleet import ROUTERS, Fleet, FleetSettings
+from bench.fleet.replica import ReplicaSettings
+from bench.fleet.report import plot, ratios, summarize
+from bench.fleet.workloads import WORKLOADS, Workload, WorkloadSettings
+from serve_app.routing.policy import RoutingSettings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[1])
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--rate", type=float, default=80.0, help="req/s at the top of the ramp / peak")
+    p.add_argument("--duration-s", type=float, default=100.0)
+    p.add_argument("--workload", choices=WORKLOADS, default="llmd")
+    p.add_argument("--routers", default="pagedserve,p2c,approx,random,oracle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "fleet.json")
+    p.add_argument("--cost-model", default="h200",
+                   help=f"a GPU profile ({', '.join(costs.GPU_PROFILES)}) or a calibration JSON")
+    p.add_argument("--num-blocks", type=int, default=ReplicaSettings.num_blocks)
+    p.add_argument("--block-size", type=int, default=ReplicaSettings.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=ReplicaSettings.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=ReplicaSettings.max_num_batched_tokens)
+    p.add_argument("--stats-period-s", type=float, default=FleetSettings.stats_period_s)
+    p.add_argument("--stats-delay-s", type=float, default=FleetSettings.stats_delay_s)
+    p.add_argument("--max-queued-requests", type=int, default=FleetSettings.max_queued_requests)
+    p.add_argument("--num-stages", type=int, default=WorkloadSettings.num_stages)
+    p.add_argument("--tenants", type=int, default=WorkloadSettings.num_tenants)
+    p.add_argument("--output-tokens", type=int, default=WorkloadSettings.output_tokens)
+    p.add_argument("--routing-kwargs", type=json.loads, default={},
+                   help="request_router_kwargs for pagedserve's router (and the oracle), as JSON")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-replicas", type=int, default=None)
+    p.add_argument("--startup-s", type=float, default=AutoscalerSettings.startup_s)
+    p.add_argument("--profile", action="store_true",
+                   help="profile each router's run (cProfile) and print where its time goes")
+    p.add_argument("--quick", action="store_true",
+                   help="4 replicas, 40 tenants, 20 simulated seconds: a check that it all runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.replicas, args.tenants, args.duration_s = 4, 40, 20.0
+        args.rate, args.num_blocks = 40.0, 8000
+    return args
+
+
+def ideal_replica_seconds(workload: Workload, model: costs.CostModel, replica: ReplicaSettings,
+                          min_replicas: int) -> float:
+    """Replica-seconds a perfect fleet needs: each second, the offered load's work (uncached
+    prefill, decode at full batches) divided among just enough replicas."""
+    s = workload.settings
+    uncached = s.query_tokens if workload.name in ("llmd", "diurnal") else s.nosharing_prompt_tokens
+    per_request = (uncached * model.prefill_token_s + s.output_tokens
+                   * (model.decode_seq_s + model.step_overhead_s / replica.max_num_seqs))
+    steps = int(s.duration_s)
+    return sum(max(min_replicas, workload.rate_at(t + 0.5) * per_request) for t in range(steps))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model = costs.load(args.cost_model)
+    replica = ReplicaSettings(num_blocks=args.num_blocks, block_size=args.block_size,
+                              max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+    autoscaler = None
+    if args.workload == "diurnal":
+        autoscaler = AutoscalerSettings(min_replicas=args.min_replicas,
+                                        max_replicas=args.max_replicas or 4 * args.replicas,
+                                        startup_s=args.startup_s)
+    settings = FleetSettings(num_replicas=args.replicas, replica=replica,
+                             stats_period_s=args.stats_period_s, stats_delay_s=args.stats_delay_s,
+                             max_queued_requests=args.max_queued_requests, autoscaler=autoscaler,
+                             routing=RoutingSettings(**args.routing_kwargs))
+
+    def workload() -> Workload:
+        return Workload(args.workload, WorkloadSettings(
+            rate=args.rate, duration_s=args.duration_s, block_size=args.block_size,
+            num_stages=args.num_stages, num_tenants=args.tenants,
+            output_tokens=args.output_tokens), args.seed)
+
+    began = time.perf_counter()
+    routers = {}
+    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
+        if name not in ROUTERS:
+            raise SystemExit(f"unknown router {name!r}: use some of {', '.join(ROUTERS)}")
+        start, cpu = time.perf_counter(), time.process_time()
+        fleet = Fleet(name, workload(), model, settings, args.seed)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(fleet.run)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        else:
+            fleet.run()
+        routers[name] = summarize(fleet, time.perf_counter() - start)
+        routers[name]["cpu_s"] = time.process_time() - cpu
+        routers[name]["cpu_us_per_request"] = (routers[name]["cpu_s"] * 1e6
+                                               / max(1, routers[name]["num_requests"]))
+        r = routers[name]
+        print(f"{name:>10}: TTFT p50/p90/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p90_s']:.3f}/"
+              f"{r['ttft_p99_s']:.3f} s  hit {r['hit_rate']:.3f}  rejected {r['rejection_rate']:.3f}"
+              f"  {r['output_tok_s']:.0f} tok/s  {r['replica_seconds']:.0f} replica-s  "
+              f"decision p99 {r['decision_us_p99']:.0f} us  ({r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU)", flush=True)
+    if "oracle" in routers:
+        for r in routers.values():
+            oracle = routers["oracle"]["hit_rate"]
+            r["hit_rate_of_oracle"] = r["hit_rate"] / oracle if oracle else float("nan")
+    result = {"routers": routers, "ratios": ratios(routers), "wall_s": time.perf_counter() - began,
+              "command": vars(args) | {"out": str(args.out)}, "cost_model": model.__repr__(),
+              "cpu": cpu_info()}
+    if autoscaler is not None:
+        result["ideal_replica_seconds"] = ideal_replica_seconds(workload(), model, replica,
+                                                                args.min_replicas)
+    for name, per_stage in result["ratios"].items():
+        cells = "  ".join(f"{s['rate']:.0f}/s: TTFT x{s['ttft_p90_theirs_over_ours']:.2f}"
+                          for s in per_stage)
+        print(f"  pagedserve vs {name:>10} (their p90 / ours)  {cells}")
+    if "ideal_replica_seconds" in result:
+        print(f"  ideal replica-seconds {result['ideal_replica_seconds']:.0f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    png = plot(routers, args.out.with_suffix(".png"),
+               f"{args.workload}: {args.replicas} replicas, up to {args.rate:g} req/s")
+    print(f"wrote {args.out} and {png} in {result['wall_s']:.1f} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

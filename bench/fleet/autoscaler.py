@@ -1,0 +1,82 @@
+"""Ray Serve's autoscaling loop around the real policy (`serve_app.autoscaling.QueueDepthPolicy`):
+replicas push `record_autoscaling_stats()` every `metrics_interval_s`; each control tick averages
+each replica's pushes over `look_back_period_s` into `ctx.aggregated_metrics`, calls the policy,
+and applies Ray's delay rule (a change must be wanted without a break for `upscale_delay_s` /
+`downscale_delay_s`, measured in time, as `ray.serve.autoscaling_policy._apply_delay_logic` does).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from serve_app.autoscaling import DEFAULTS, QUEUE_DEPTH_METRIC, QueueDepthPolicy
+
+
+@dataclass
+class AutoscalerSettings:
+    min_replicas: int = 1
+    max_replicas: int = 1000
+    target_queue_depth: float = DEFAULTS["target_queue_depth"]
+    downscale_ratio: float = DEFAULTS["downscale_ratio"]
+    upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
+    downscale_delay_s: float = DEFAULTS["downscale_delay_s"]
+    metrics_interval_s: float = DEFAULTS["metrics_interval_s"]
+    look_back_period_s: float = DEFAULTS["look_back_period_s"]
+    control_interval_s: float = 0.5  # Ray's controller loop runs every 0.1 s; coarser is cheaper
+    startup_s: float = 30.0  # a new replica's start-up: schedule, load weights, warm up
+
+
+@dataclass
+class Autoscaler:
+    settings: AutoscalerSettings
+    policy: QueueDepthPolicy = field(init=False)
+    samples: dict[str, deque] = field(default_factory=dict)  # replica -> (time, queue_depth)
+    policy_state: dict = field(default_factory=dict)
+    wanted_since: float | None = None
+    wanted_direction: int = 0
+
+    def __post_init__(self):
+        self.policy = QueueDepthPolicy(target_queue_depth=self.settings.target_queue_depth,
+                                       downscale_ratio=self.settings.downscale_ratio)
+
+    def push(self, replica_id: str, stats: dict[str, float], now: float) -> None:
+        """A replica's `record_autoscaling_stats()`, as it reaches the controller."""
+        self.samples.setdefault(replica_id, deque()).append((now, stats[QUEUE_DEPTH_METRIC]))
+
+    def decide(self, now: float, running: list[str], target: int, queued: int) -> int:
+        """The new target number of replicas (== target when nothing changes)."""
+        horizon = now - self.settings.look_back_period_s
+        averaged = {}
+        for replica_id in list(self.samples):
+            window = self.samples[replica_id]
+            while window and window[0][0] < horizon:
+                window.popleft()
+            if replica_id not in running:
+                if not window:
+                    del self.samples[replica_id]
+                continue
+            if window:
+                averaged[replica_id] = sum(v for _, v in window) / len(window)
+        ctx = SimpleNamespace(
+            current_num_replicas=len(running), target_num_replicas=target,
+            running_replicas=running, total_queued_requests=float(queued),
+            aggregated_metrics={QUEUE_DEPTH_METRIC: averaged},
+            capacity_adjusted_min_replicas=self.settings.min_replicas,
+            capacity_adjusted_max_replicas=self.settings.max_replicas,
+            policy_state=self.policy_state, current_time=now)
+        desired, self.policy_state = self.policy(ctx)
+        return self._apply_delay(desired, target, now)
+
+    def _apply_delay(self, desired: int, target: int, now: float) -> int:
+        direction = (desired > target) - (desired < target)
+        if direction == 0:
+            self.wanted_direction, self.wanted_since = 0, None
+            return target
+        if direction != self.wanted_direction:
+            self.wanted_direction, self.wanted_since = direction, now
+        delay = self.settings.upscale_delay_s if direction > 0 else self.settings.downscale_delay_s
+        if now - self.wanted_since + 1e-9 >= delay:
+            self.wanted_direction, self.wanted_since = 0, None
+            return max(1, desired)
+        return target

@@ -1,0 +1,31 @@
+"""python -m bench.fleet: the JSON it writes, and the PNG beside it."""
+import json
+
+from bench.fleet.__main__ import main
+
+KEYS = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tok_s", "hit_rate", "rejection_rate",
+        "replica_seconds", "decision_us_p99"}
+
+
+def test_the_command_writes_every_figure_per_router_and_a_plot(tmp_path):
+    out = tmp_path / "run.json"
+    main(["--replicas", "2", "--rate", "6", "--duration-s", "4", "--tenants", "3",
+          "--num-blocks", "1500", "--num-stages", "2", "--output-tokens", "8",
+          "--routers", "pagedserve,p2c,approx,random,oracle", "--seed", "3", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["routers"]) == {"pagedserve", "p2c", "approx", "random", "oracle"}
+    for result in data["routers"].values():
+        assert KEYS <= set(result) and len(result["stages"]) == 2
+    assert data["wall_s"] > 0 and data["ratios"]["p2c"][0]["rate"] == 3.0
+    assert data["routers"]["oracle"]["hit_rate_of_oracle"] == 1.0
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_diurnal_autoscales_and_reports_the_ideal(tmp_path):
+    out = tmp_path / "day.json"
+    main(["--replicas", "1", "--rate", "8", "--duration-s", "20", "--tenants", "2",
+          "--num-blocks", "1500", "--workload", "diurnal", "--routers", "pagedserve",
+          "--output-tokens", "8", "--startup-s", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["ideal_replica_seconds"] > 0
+    assert data["routers"]["pagedserve"]["replica_seconds"] >= 20.0

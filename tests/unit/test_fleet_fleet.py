@@ -1,0 +1,75 @@
+"""bench.fleet.fleet: routers on a small simulated fleet, the handle's limits, the autoscaler."""
+import pytest
+
+from bench.fleet.autoscaler import AutoscalerSettings
+from bench.fleet.cost_model import CostModel
+from bench.fleet.fleet import Fleet, FleetSettings
+from bench.fleet.replica import ReplicaSettings
+from bench.fleet.report import summarize
+from bench.fleet.workloads import Workload, WorkloadSettings
+
+MODEL = CostModel(step_overhead_s=0.005, prefill_token_s=2e-5, decode_seq_s=2e-4)
+REPLICA = ReplicaSettings(num_blocks=700, block_size=16, max_num_seqs=16,
+                          max_num_batched_tokens=4096)
+
+
+def run(router, workload="llmd", rate=20.0, duration_s=20.0, replicas=4, **fleet):
+    w = Workload(workload, WorkloadSettings(rate=rate, duration_s=duration_s, num_tenants=12,
+                                            context_tokens=2000, query_tokens=200,
+                                            output_tokens=16, num_stages=2), seed=0)
+    f = Fleet(router, w, MODEL, FleetSettings(num_replicas=replicas, replica=REPLICA, **fleet),
+              seed=0)
+    return f.run()
+
+
+def test_every_router_serves_the_same_stream_and_the_prefix_routers_hit_more():
+    results = {name: summarize(run(name), wall_s=0.0)
+               for name in ("pagedserve", "p2c", "approx", "random", "roundrobin", "oracle")}
+    counts = {r["num_requests"] for r in results.values()}
+    assert len(counts) == 1  # same seed, same arrivals
+    for r in results.values():
+        assert r["rejection_rate"] == 0.0 and r["num_first_tokens"] > 0
+        assert r["replica_seconds"] == pytest.approx(4 * 20.0)
+    assert results["pagedserve"]["hit_rate"] > results["p2c"]["hit_rate"] + 0.2
+    assert results["oracle"]["hit_rate"] > results["random"]["hit_rate"] + 0.2
+
+
+def test_pagedserve_sees_digests_and_routes_a_tenant_home():
+    f = run("pagedserve", duration_s=10.0)
+    state = f.router.state
+    assert set(state.loads._reported) == set(f.live)  # every replica's digest arrived
+    homes = {}
+    for replica in f.replicas.values():
+        for seq_hash in replica.block_manager.cached:
+            homes.setdefault(seq_hash, set()).add(replica.replica_id)
+    # a tenant context's first block lives on few replicas, not all of them
+    first_blocks = [h for h in homes if len(homes[h]) > 0]
+    assert first_blocks and max(len(homes[h]) for h in first_blocks) < len(f.live)
+
+
+def test_a_full_fleet_queues_at_the_handle_then_rejects():
+    f = run("p2c", rate=400.0, duration_s=4.0, replicas=1, max_queued_requests=5)
+    r = summarize(f, wall_s=0.0)
+    assert r["rejection_rate"] > 0.5
+    assert max(f.series["handle_queue"]) <= 5
+    assert all(n <= f.max_ongoing for n in f.ongoing.values())
+
+
+def test_the_autoscaler_adds_replicas_after_the_delay_and_start_up():
+    scaler = AutoscalerSettings(min_replicas=1, max_replicas=6, upscale_delay_s=2.0,
+                                downscale_delay_s=5.0, startup_s=3.0)
+    f = run("pagedserve", workload="diurnal", rate=60.0, duration_s=40.0, replicas=1,
+            autoscaler=scaler)
+    replicas = f.series["replicas"]
+    assert replicas[0] == 1 and max(replicas) > 1
+    first_up = next(i for i, n in enumerate(replicas) if n > 1)
+    assert first_up >= 2  # no sooner than upscale_delay_s
+    assert f.replica_seconds < 6 * 40.0
+    assert f.autoscaler.policy_state["desired_num_replicas"] >= 1
+
+
+def test_event_order_a_request_is_routed_before_its_first_token_and_finish():
+    f = run("pagedserve", duration_s=5.0)
+    o = f.outcome
+    assert all(t > 0 for t in o.ttft_s)
+    assert len(f.decision_s) >= sum(f.num_arrivals) - sum(f.num_rejected)
