@@ -17,7 +17,7 @@ import yaml
 from tests.serve.conftest import REPO
 
 SERVE = str(Path(sys.executable).with_name("serve"))
-PORT = 8000  # `serve run <import path>` always listens on Ray Serve's default port
+PORT = 8000  # `serve run <import path>` listens on Ray Serve's default port unless `port=` moves it
 
 
 def port_free(port: int) -> bool:
@@ -85,18 +85,20 @@ def smoke(base: str, model: str | None = None) -> str:
     return chat.choices[0].message.content
 
 
-@pytest.mark.skipif(not port_free(PORT), reason=f"port {PORT} is in use")
 def test_serve_run_import_path_with_overrides(tiny_model_dir):
+    from bench.common import free_port
+
+    port = free_port()  # the `port` setting moves the proxy (serve_app.app.start_serve_for_serve_run)
     proc = serve_run(["serve_app:app", f"model={tiny_model_dir}", "served_model_name=tiny-cli",
-                      "num_kv_blocks=128", "max_num_seqs=8", "num_replicas=1"])
+                      "num_kv_blocks=128", "max_num_seqs=8", "num_replicas=1", f"port={port}"])
     try:
-        startup_s = wait_ready(proc, f"http://127.0.0.1:{PORT}/v1/models", 180)
+        startup_s = wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", 180)
         print(f"serve run: first 200 after {startup_s:.1f}s")
-        smoke(f"http://127.0.0.1:{PORT}", "tiny-cli")
+        smoke(f"http://127.0.0.1:{port}", "tiny-cli")
     finally:
         code = stop(proc)
     assert code in STOPPED_CODES
-    assert wait_for_port_closed(PORT, 30)
+    assert wait_for_port_closed(port, 30)
     deadline = time.monotonic() + 30
     while not group_gone(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.25)
