@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import socket
 import time
@@ -60,13 +61,20 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, min_time_s: float 
     return best
 
 
+def cpu_info() -> dict:
+    """The CPU a result was measured on: model name, the native kernels' level, the flags that
+    pick kernels (avx2, avx512f, avx512_bf16, ...), whether bf16 is native, cores."""
+    from kernels import cpu_features  # stdlib only: no torch import in the benchmark's parent
+    return {**cpu_features.describe(), "num_cpus": os.cpu_count()}
+
+
 def write_result(name: str, payload: dict) -> Path:
-    """Write bench/results/<name>.json, stamped with when and where it ran."""
+    """Write bench/results/<name>.json, stamped with when and where it ran (the `cpu` block)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"
     record = {"name": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "host": {"python": platform.python_version(), "machine": platform.machine(),
-                       "processor": platform.processor()}, **payload}
+                       "processor": platform.processor()}, "cpu": cpu_info(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
 

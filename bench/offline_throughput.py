@@ -4,12 +4,17 @@ Same seeded workload, same model, dtype and thread count, measured in one run; e
 in its own subprocess so peak RSS is its own. Prints output tokens/s, the ratio, KV waste.
 
     python -m bench.offline_throughput [--num-requests 128] [--model DIR] [--dtype float32] [--device cuda]
+    python -m bench.offline_throughput --systems pagedserve --dtype float32,bfloat16 --rounds 3
+
+Several dtypes (comma-separated) run alternately, `--rounds` times (system x dtype round-robin);
+each line reports the median round, and the ratios of every dtype to the first are printed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import statistics
 import resource
 import subprocess
 import sys
@@ -38,13 +43,15 @@ def run_pagedserve(args, requests) -> dict:
               kv_cache_memory_gb=args.kv_cache_gb, device=args.device)
     llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.llm_engine.stats()
-    return {"seconds": elapsed, "output_tokens": generated, "kv_slot_waste": stats["kv_slot_waste"],
-            "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"]}
+    return {"seconds": elapsed, "cpu_seconds": cpu_seconds, "output_tokens": generated,
+            "kv_slot_waste": stats["kv_slot_waste"],
+            "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
+            "dtype": stats.get("dtype"), "kv_cache_dtype": stats.get("kv_cache_dtype"), "cpu": stats.get("cpu")}
 
 
 def run_transformers(args, requests) -> dict:
@@ -83,6 +90,8 @@ def child(args) -> None:
     result = (run_pagedserve if args.child == "pagedserve" else run_transformers)(args, requests)
     result["peak_rss_mb"] = peak_rss_mb()
     result["tokens_per_s"] = result["output_tokens"] / result["seconds"]
+    if "cpu_seconds" in result:  # steadier than wall time when other processes share the cores
+        result["tokens_per_cpu_s"] = result["output_tokens"] / result["cpu_seconds"]
     with open(args.out, "w") as f:
         json.dump(result, f)
 
@@ -91,7 +100,8 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, 
                       max_output: int = 256) -> None:
     """The workload, model and engine flags every offline comparison shares."""
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", type=_dtypes,
+                        help="auto, float32 or bfloat16; comma-separated to compare several")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where both systems run (auto: CUDA when there is one)")
@@ -107,6 +117,23 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, 
     parser.add_argument("--seed", type=int, default=0)
 
 
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
+
+def _dtypes(value: str) -> str:
+    if not value or any(d not in DTYPE_CHOICES for d in value.split(",")):
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated dtypes of {', '.join(DTYPE_CHOICES)}")
+    return value
+
+
+def run_child(system: str, dtype: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        cmd = [sys.executable, "-m", "bench.offline_throughput", *sys.argv[1:], "--dtype", dtype,
+               "--child", system, "--out", tmp.name]
+        subprocess.run(cmd, check=True)
+        return json.load(open(tmp.name))
+
+
 def main() -> None:
     from bench.peers.offline import add_peer_args, run_peers
 
@@ -120,17 +147,42 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    results = {}
-    for system in args.systems.split(","):
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, "-m", "bench.offline_throughput", *sys.argv[1:], "--child", system,
-                   "--out", tmp.name]
-            subprocess.run(cmd, check=True)
-            results[system] = json.load(open(tmp.name))
-        r = results[system]
-        print(f"{system:>14}: {r['tokens_per_s']:8.1f} output tok/s  ({r['output_tokens']} tokens, "
-              f"peak RSS {r['peak_rss_mb']:.0f} MB)")
-    summary = {"config": vars(args), "results": results}
+    dtypes = args.dtype.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for round_index in range(args.rounds):  # alternating: load from other processes falls on all alike
+        for dtype in dtypes:
+            for system in args.systems.split(","):
+                r = run_child(system, dtype)
+                runs.setdefault((system, dtype), []).append(r)
+                per_cpu = f", {r['tokens_per_cpu_s']:.1f} per CPU-second" if "tokens_per_cpu_s" in r else ""
+                print(f"{system:>14} {dtype:>8} [round {round_index + 1}/{args.rounds}]: "
+                      f"{r['tokens_per_s']:8.1f} output tok/s{per_cpu}  ({r['output_tokens']} tokens, "
+                      f"peak RSS {r['peak_rss_mb']:.0f} MB)", flush=True)
+    by_dtype: dict[str, dict] = {dtype: {} for dtype in dtypes}
+    for (system, dtype), rounds in runs.items():
+        rates = [r["tokens_per_s"] for r in rounds]
+        median = sorted(rounds, key=lambda r: r["tokens_per_s"])[len(rounds) // 2]
+        by_dtype[dtype][system] = {**median, "tokens_per_s": statistics.median(rates),
+                                   "tokens_per_s_rounds": rates}
+        if all("tokens_per_cpu_s" in r for r in rounds):
+            by_dtype[dtype][system]["tokens_per_cpu_s"] = statistics.median(r["tokens_per_cpu_s"] for r in rounds)
+    results = by_dtype[dtypes[0]]
+    args.dtype = dtypes[0]  # the peers, if any, run at the first dtype
+    summary = {"config": {**vars(args), "dtype": ",".join(dtypes)}, "results": results}
+    if len(dtypes) > 1:
+        summary["results_by_dtype"] = by_dtype
+        summary["dtype_ratios"] = {}
+        for dtype in dtypes[1:]:
+            for system, r in by_dtype[dtype].items():
+                base = by_dtype[dtypes[0]][system]
+                ratio = r["tokens_per_s"] / base["tokens_per_s"]
+                summary["dtype_ratios"][f"{system} {dtype}/{dtypes[0]}"] = ratio
+                line = f"{system} {dtype} / {dtypes[0]} throughput (medians of {args.rounds}): {ratio:.2f}x"
+                if "tokens_per_cpu_s" in r and "tokens_per_cpu_s" in base:
+                    cpu_ratio = r["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
+                    summary["dtype_ratios"][f"{system} {dtype}/{dtypes[0]} per CPU-second"] = cpu_ratio
+                    line += f", per CPU-second {cpu_ratio:.2f}x"
+                print(line)
     if args.peers:
         summary.update(run_peers(args, results, plot_name="offline_throughput"))
     if "pagedserve" in results and "transformers" in results:

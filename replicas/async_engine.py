@@ -7,25 +7,35 @@ new requests and aborts are queued and applied between steps.
 Two ways to receive a request's outputs: `generate()` (an async iterator; a consumer that fell
 behind gets its pending deltas as one output), or `add_request(..., on_output)`, a callback the
 loop calls with each output (and with the error if the request fails), for a caller that batches
-many requests' outputs itself.
+many requests' outputs itself. With the engine setting `pooling`, `embed()` runs one
+prefill-only pooling request per input through the same scheduler.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine, PromptInput
+from replicas.errors import StepFailed
 from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
+from replicas.pooling import pooling_params
 from replicas.request import Request
-from replicas.sampling_params import RequestOutputKind, SamplingParams
+from replicas.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput | BaseException], None]
+# A failed step fails only its own requests; this many failed steps in a row means the engine is
+# broken (not one bad batch), and the loop stops so the replica reports unhealthy and is replaced.
+MAX_CONSECUTIVE_STEP_FAILURES = 2
 
 
 class EngineDeadError(RuntimeError):
@@ -46,35 +56,75 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._error: BaseException | None = None
+        # Wall-clock time the engine last sampled a token (readiness: it really generates).
+        self.last_generation_time: float | None = None
 
     # -- public -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
-                    on_output: OnOutput) -> None:
+                    on_output: OnOutput, priority: int = 0) -> None:
         """Validate (ValueError here, for a bad request) and queue a request; the loop calls
         `on_output` with each of its outputs, or once with the error that ended it."""
         self._check_alive()
         if request_id in self._receivers:
             raise ValueError(f"request id {request_id!r} is already running")
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, priority=priority)
         self._receivers[request_id] = on_output
         self._pending.append(request)
         self._ensure_loop()
         self._wakeup.set()
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream outputs of the request's `output_kind`. Raises ValueError before the first
         output for a bad request; leaving the iteration early (or being cancelled) aborts the
         request and frees its blocks."""
         params = params or SamplingParams()
         queue = OutputQueue(aggregate=params.output_kind is RequestOutputKind.DELTA)
-        self.add_request(request_id, prompt, params, queue.put)
+        self.add_request(request_id, prompt, params, queue.put, priority)
         try:
             async for output in queue:
                 yield output
         finally:
             if not queue.finished:
                 self.abort_nowait(request_id)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return ("generate", "embed") if self.engine.config.pooling else ("generate",)
+
+    async def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+        """One pooling request per input (prefill only: the scheduler batches them with every
+        other request) -> float32 [len(token_ids), hidden]; ValueError for a bad input."""
+        if self.engine.config.pooling is None:
+            raise ParamError("model", f"the model {self.model_name} does not serve embeddings (the "
+                             "engine setting pooling makes a decoder embed too)")
+        params = pooling_params(self.engine.config.pooling)
+        loop = asyncio.get_running_loop()
+        request_ids = [f"embed-{uuid.uuid4().hex}-{i}" for i in range(len(token_ids))]
+        futures = [loop.create_future() for _ in token_ids]
+
+        def receiver(future: asyncio.Future) -> OnOutput:
+            def on_output(item: RequestOutput | BaseException) -> None:
+                if future.done():
+                    return
+                if isinstance(item, BaseException):
+                    future.set_exception(item)
+                elif item.finished and item.embedding is None:
+                    future.set_exception(EngineDeadError("the embedding request was aborted"))
+                elif item.finished:
+                    future.set_result(item.embedding)
+            return on_output
+
+        try:
+            for request_id, ids, future in zip(request_ids, token_ids, futures):
+                self.add_request(request_id, {"prompt_token_ids": ids}, params, receiver(future))
+            rows = await asyncio.gather(*futures)
+        finally:
+            for request_id, future in zip(request_ids, futures):
+                if not future.done():  # cancelled, or a sibling failed: free its blocks
+                    future.cancel()
+                    self.abort_nowait(request_id)
+        return np.asarray(rows, dtype=np.float32).reshape(len(token_ids), -1)
 
     def abort_nowait(self, request_id: str) -> None:
         """Stop a request between steps and free its blocks; its receiver hears nothing more."""
@@ -90,6 +140,7 @@ class AsyncEngine:
         stats = self.engine.stats()
         stats["num_waiting"] += len(self._pending)
         stats["healthy"] = self.is_healthy()
+        stats["last_generation_time"] = self.last_generation_time
         return stats
 
     def is_healthy(self) -> bool:
@@ -115,6 +166,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        failures = 0
         try:
             while True:
                 self._apply_pending()
@@ -123,8 +175,23 @@ class AsyncEngine:
                     if not self._pending and not self._aborts:
                         await self._wakeup.wait()
                     continue
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                generated = self.engine.num_generation_tokens
+                try:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except StepFailed as exc:
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    self._fail(exc.request_ids, exc)
+                    continue
+                failures = 0
+                if self.engine.num_generation_tokens > generated:
+                    self.last_generation_time = time.time()
                 self._deliver(outputs)
+                for request_id, exc in self.engine.take_failures():
+                    receiver = self._receivers.pop(request_id, None)
+                    if receiver is not None:
+                        receiver(exc)
                 await asyncio.sleep(0)  # let streams and new requests in between steps
         except asyncio.CancelledError:
             self._error = EngineDeadError("the engine loop was shut down")
@@ -156,6 +223,12 @@ class AsyncEngine:
                 receiver = self._receivers.pop(request.request_id, None)
                 if receiver is not None:
                     receiver(exc)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        for request_id in request_ids:
+            receiver = self._receivers.pop(request_id, None)
+            if receiver is not None:
+                receiver(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         receivers, self._receivers = self._receivers, {}

@@ -3,6 +3,15 @@
 Pure Python. A block is free when its ref count is 0; free blocks sit in an LRU queue and keep
 their hash, so a later request with the same prefix can take them back (a prefix-cache hit)
 until an allocation evicts them from the head of the queue.
+
+Sliding windows: when every layer attends within a window, no future query of a sequence reads a
+position older than num_computed_tokens - window + 1, so the blocks wholly before it are released
+(they stay cached, evictable, like any freed block) and their block-table entries become
+NULL_BLOCK, a block reserved for that, so positions still map to table indices. A sequence then
+holds at most about (window + step tokens) / block_size blocks however long it grows. A prefix
+hit likewise needs only the blocks the first computed token's window reaches to be cached: the
+chain hash of the last one names the whole prefix, and the older ones become NULL_BLOCK too.
+Every attention backend skips the blocks before a query's window, so NULL_BLOCK is never read.
 """
 from __future__ import annotations
 
@@ -12,6 +21,16 @@ from dataclasses import dataclass
 from replicas.kv_events import (DEFAULT_LOG_CAPACITY, AllBlocksCleared, BlockRemoved, BlockStored,
                                 KVEventLog)
 from replicas.sequence import Sequence
+
+NULL_BLOCK = 0  # with a sliding window: the placeholder of dropped blocks, never allocated
+
+
+def kv_window_of(sliding_windows: list[int | None] | None) -> int | None:
+    """How far back any layer reads: the largest window, or None if some layer attends in full
+    (or the model gives no windows), in which case no block is ever dropped."""
+    if not sliding_windows or any(w is None for w in sliding_windows):
+        return None
+    return max(sliding_windows)
 
 
 @dataclass(slots=True)
@@ -24,11 +43,21 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 max_events: int = DEFAULT_LOG_CAPACITY):
+                 max_events: int = DEFAULT_LOG_CAPACITY, sliding_window: int | None = None):
+        """sliding_window: kv_window_of(the model's per-layer windows); None keeps every block."""
+        if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
+            raise ValueError("a sliding window must be >= 1 and leave a block besides NULL_BLOCK")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        first_free = 0
+        if sliding_window is not None:
+            self.blocks[NULL_BLOCK].ref_count = 1  # held for good: never free, never cached
+            first_free = NULL_BLOCK + 1
+        self.free_queue: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(first_free, num_blocks))
+        self.num_dropped: dict[int, int] = {}  # seq_id -> leading table entries now NULL_BLOCK
         self.cached: dict[int, int] = {}  # block hash -> block id
         # What `cached` did, for the router's mirror of it. Each change to `cached` is made before
         # its event is logged: `kv_events.take_snapshot` relies on that order.
@@ -40,7 +69,8 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        """Blocks sequences can hold (the cache's blocks less NULL_BLOCK, if reserved)."""
+        return len(self.blocks) - (self.sliding_window is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,6 +87,23 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a sequence growing to num_tokens holds at once, if no step computes
+        more than max_step_tokens of it: all of them without a window."""
+        needed = self.blocks_needed(num_tokens)
+        if self.sliding_window is None:
+            return needed
+        # The kept blocks start at a block edge at most block_size - 1 tokens before the window
+        # of the step's first token, window - 1 tokens before that token.
+        span = self.block_size - 1 + self.sliding_window - 1 + max_step_tokens
+        return min(needed, self.blocks_needed(span))
+
+    def first_kept_block(self, num_computed_tokens: int) -> int:
+        """Index of the oldest block a sequence with this many computed tokens still reads."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
     # -- prefix cache -----------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest cached prefix of seq's full blocks: (block ids, number of tokens they hold).
@@ -65,14 +112,40 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = min((seq.num_tokens - 1) // self.block_size, len(seq.block_hashes))
+        if self.sliding_window is not None:
+            return self._windowed_hit(seq, max_blocks)
         hits = []
-        for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
-            block_id = self.cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+        for i in range(max_blocks):
+            block_id = self._cached_block(seq, i)
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def _windowed_hit(self, seq: Sequence, max_blocks: int) -> tuple[list[int], int]:
+        """The longest prefix whose blocks from first_kept_block(its end) on are all cached,
+        searched from the longest down: the older blocks are NULL_BLOCK."""
+        end = None  # one past the last block of the current run of cached blocks
+        run: list[int] = []  # that run's block ids, last first
+        for i in range(max_blocks - 1, -1, -1):
+            block_id = self._cached_block(seq, i)
+            if block_id is None:
+                end, run = None, []
+                continue
+            if end is None:
+                end = i + 1
+            run.append(block_id)
+            if i <= self.first_kept_block(end * self.block_size):
+                return [NULL_BLOCK] * i + run[::-1], end * self.block_size
+        return [], 0
+
+    def _cached_block(self, seq: Sequence, i: int) -> int | None:
+        """The cached block holding seq's block i, tokens re-checked, or None."""
+        block_id = self.cached.get(seq.block_hashes[i])
+        if block_id is None or self.blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+            return None
+        return block_id
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_query_tokens
@@ -80,8 +153,9 @@ class BlockManager:
 
     def record_slot_usage(self, running: list[Sequence]) -> None:
         """Count the slots these sequences hold and the ones holding a token (once per step)."""
-        self.num_slots_allocated += sum(len(s.block_table) for s in running) * self.block_size
-        self.num_slots_used += sum(s.num_computed_tokens for s in running)
+        dropped = sum(self.num_dropped.get(s.seq_id, 0) for s in running) if self.num_dropped else 0
+        self.num_slots_allocated += (sum(len(s.block_table) for s in running) - dropped) * self.block_size
+        self.num_slots_used += sum(s.num_computed_tokens for s in running) - dropped * self.block_size
 
     @property
     def kv_slot_waste(self) -> float:
@@ -92,7 +166,7 @@ class BlockManager:
 
     def num_evictable_hits(self, block_ids: list[int]) -> int:
         """How many of these hit blocks are now free (taking them shrinks the free pool)."""
-        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)  # NULL_BLOCK's is 1
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -105,15 +179,22 @@ class BlockManager:
         num_new_tokens more.
 
         computed_blocks (from get_computed_blocks, for a newly scheduled seq) are taken first.
-        Returns False, changing nothing, when the free pool is too small (the caller preempts).
-        Blocks that will be full after this step are registered in the prefix cache now: they are
-        written in this step's forward pass before any attention reads them.
+        Under a sliding window, the blocks no query of this step or later reads are released
+        first. Returns False when the free pool is too small (the caller preempts), having
+        changed nothing else. Blocks that will be full after this step are registered in the
+        prefix cache now: they are written in this step's forward pass before any attention
+        reads them.
         """
+        if self.sliding_window is not None:
+            self._drop_outside_window(seq, len(computed_blocks))
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
         total = self._num_tokens_after(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
-            self._take(block_id)
+            if block_id == NULL_BLOCK and self.sliding_window is not None:  # leading, from a hit
+                self.num_dropped[seq.seq_id] = len(seq.block_table) + 1
+            else:
+                self._take(block_id)
             seq.block_table.append(block_id)
         evicted: list[int] = []
         while len(seq.block_table) < self.blocks_needed(total):
@@ -129,16 +210,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they
         # should be evicted first.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.block_hash is None:  # nothing to keep: reuse it first
-                    self.free_queue[block_id] = None
-                    self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
+        table = seq.block_table
+        for block_id in reversed(table[self.num_dropped.pop(seq.seq_id, 0):]):
+            self._release(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -150,6 +224,31 @@ class BlockManager:
         self.kv_events.append(AllBlocksCleared())
 
     # -- internals --------------------------------------------------------------------------
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:  # nothing to keep: reuse it first
+                self.free_queue.move_to_end(block_id, last=False)
+
+    def _drop_outside_window(self, seq: Sequence, num_computed_blocks: int) -> None:
+        """Release the blocks of seq's table that its queries from now on never read: those
+        wholly before the window of its first token still to compute."""
+        computed = seq.num_computed_tokens + num_computed_blocks * self.block_size
+        first_kept = min(self.first_kept_block(computed), len(seq.block_table))
+        dropped = self.num_dropped.get(seq.seq_id, 0)
+        if first_kept <= dropped:
+            return
+        table = seq.block_table
+        # Oldest first, so the free queue evicts dropped blocks in the order they were dropped:
+        # a later prefix hit needs the blocks next to its end, the newest ones.
+        for i in range(dropped, first_kept):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        self.num_dropped[seq.seq_id] = first_kept
+
     def _num_tokens_after(self, seq: Sequence, num_new_tokens: int, computed_blocks) -> int:
         return seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
 
@@ -176,8 +275,10 @@ class BlockManager:
         for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             block_hash = seq.block_hashes[i]
-            # Already cached, or the same content already lives elsewhere: the run breaks.
-            if block.block_hash is not None or block_hash in self.cached:
+            # Already cached, the same content already lives elsewhere, or a dropped block's
+            # placeholder: the run breaks.
+            if (block.block_hash is not None or block_hash in self.cached
+                    or self.sliding_window is not None and block.block_id == NULL_BLOCK):
                 self._log_stored(seq, i - len(stored), stored)
                 stored = []
                 continue

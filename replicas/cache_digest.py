@@ -76,6 +76,8 @@ class RoutingReporter:
             "num_running": depth.num_running,
             "kv_cache_usage": depth.kv_cache_usage,
             "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
+            # Wall clock of the engine's last sampled token (None: never): the ingress's readiness.
+            "last_generation_time": stats.get("last_generation_time"),
         }
 
 

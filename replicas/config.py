@@ -23,6 +23,8 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None  # defaults to `model`
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The paged KV cache's dtype; auto: the model's (kernels/torch_attention.py casts on store and load).
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     seed: int = 0
     block_size: int = Field(DEFAULTS["block_size"], ge=1, le=256)
     max_model_len: int | None = Field(None, ge=1)  # None: the model's max_position_embeddings
@@ -30,6 +32,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(DEFAULTS["max_num_batched_tokens"], ge=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "fcfs": arrival order; "priority": each request's `priority` first (lower sooner), then
+    # arrival, for admission and preemption alike (vLLM's policies).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # KV cache size: CUDA uses a fraction of device memory; CPU a size in GiB. num_kv_blocks wins.
     gpu_memory_utilization: float = Field(DEFAULTS["gpu_memory_utilization"], gt=0.0, le=1.0)
     kv_cache_memory_gb: float = Field(DEFAULTS["kv_cache_memory_gb"], gt=0.0)
@@ -38,6 +43,9 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU; None: leave as is
     max_logprobs: int = Field(20, ge=0)
+    # A decoder that also answers embeddings: its final hidden states pooled at the last token or
+    # averaged (then normalized). None: it only generates. Encoders pool as their checkpoint says.
+    pooling: Literal["last", "mean"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

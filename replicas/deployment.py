@@ -7,7 +7,9 @@ plain class: `serve_app/app.py` wraps it with `serve.deployment` and binds it.
 
 The ingress calls `generate(GenerateRequest)` with `handle.options(stream=True)`. A request
 router sees the same `GenerateRequest` as `pending_request.args[0]` and can read its
-`block_hashes` (the prompt's prefix-cache hash chain). Routing and autoscaling stats
+`block_hashes` (the prompt's prefix-cache hash chain). Embeddings are one plain call,
+`embed(EmbedRequest)`, to an encoder model's `AsyncEncoderEngine` (chosen here when the checkpoint
+is an encoder) or to a decoder's `AsyncEngine` run with `pooling`. Routing and autoscaling stats
 (`record_routing_stats`, `record_autoscaling_stats`) belong on this class too.
 """
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any
 
 from replicas import cache_digest
 from replicas.config import EngineConfig
+from replicas.embedding_model import uses_encoder
 from replicas.output_channel import ChannelClosed, OutputChannel
 from replicas.outputs import RequestOutput
-from replicas.sampling_params import RequestOutputKind, SamplingParams
+from replicas.readiness_probe import ReadinessProbe
+from replicas.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,15 @@ class GenerateRequest:
     prompt: str | None = None
     block_hashes: list[int] = field(default_factory=list)  # for a prefix-aware request router
     channel_id: str | None = None  # the ingress's output channel, where this replica has it open
+    priority: int = 0  # under scheduling_policy=priority: lower is served first
+
+
+@dataclass(slots=True)
+class EmbedRequest:
+    """Texts to embed, as the ingress sends them (already tokenized and checked)."""
+
+    request_id: str
+    prompt_token_ids: list[list[int]]
 
 
 @dataclass(slots=True)
@@ -106,10 +119,13 @@ class EngineReplica:
     """One engine per replica. `engine_class` injects another engine (tests, custom engines)."""
 
     async def __init__(self, engine_config: EngineConfig | dict, engine_class: str | type | None = None,
-                       stall_timeout_s: float = 120.0):
+                       stall_timeout_s: float = 120.0, probe_interval_s: float = 10.0):
         config = EngineConfig.model_validate(engine_config)
         if isinstance(engine_class, str):
             engine_class = import_attr(engine_class)
+        if engine_class is None and uses_encoder(config.model):  # an embedding model
+            from replicas.async_encoder import AsyncEncoderEngine
+            engine_class = AsyncEncoderEngine
         if engine_class is None:
             from replicas.async_engine import AsyncEngine
             engine_class = AsyncEngine
@@ -122,7 +138,9 @@ class EngineReplica:
         self._channels: dict[str, OutputChannel] = {}  # by channel id (one per ingress replica)
         self._channel_requests: dict[OutputChannel, dict[str, asyncio.Future]] = {}
         self._metrics = _ReplicaMetrics(self.replica_id)
-        self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+        loop = asyncio.get_running_loop()
+        self._metrics_task = loop.create_task(self._export_metrics())
+        self._probe_task = loop.create_task(ReadinessProbe(self.engine, probe_interval_s).run())
 
     # -- serving ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | ReplicaHello]:
@@ -139,7 +157,7 @@ class EngineReplica:
         channel = self._channels.get(request.channel_id) if request.channel_id else None
         try:
             if channel is None:
-                stream = self.engine.generate(prompt, params, request.request_id)
+                stream = self.engine.generate(prompt, params, request.request_id, request.priority)
                 try:
                     first = True
                     async for out in stream:
@@ -150,13 +168,15 @@ class EngineReplica:
                 finally:
                     await stream.aclose()  # a no-op after the end; otherwise aborts in the engine
             else:
-                await self._generate_into(channel, request.request_id, prompt, params)
+                await self._generate_into(channel, request.request_id, prompt, params,
+                                          request.priority)
         except Exception as exc:
             if not self.engine.is_healthy():
                 raise EngineReplicaDead(self.replica_id, str(exc)) from None
             raise
 
-    async def _generate_into(self, channel: OutputChannel, request_id: str, prompt, params) -> None:
+    async def _generate_into(self, channel: OutputChannel, request_id: str, prompt, params,
+                             priority: int) -> None:
         done = asyncio.get_running_loop().create_future()
 
         def deliver(item: RequestOutput | BaseException) -> None:
@@ -172,7 +192,7 @@ class EngineReplica:
         channel.attach(request_id)
         self._channel_requests.setdefault(channel, {})[request_id] = done
         try:
-            self.engine.add_request(request_id, prompt, params, deliver)
+            self.engine.add_request(request_id, prompt, params, deliver, priority)
             await done
         finally:
             self._channel_requests.get(channel, {}).pop(request_id, None)
@@ -214,8 +234,22 @@ class EngineReplica:
             "block_size": self.engine.block_size,
             "vocab_size": getattr(runner, "vocab_size", None) or len(tokenizer),
             "max_logprobs": self.config.max_logprobs,
+            "tasks": list(getattr(self.engine, "tasks", ("generate",))),  # "generate", "embed"
             "tokenizer": pickle.dumps(tokenizer),  # unpickled off the ingress's event loop
         }
+
+    async def embed(self, request: EmbedRequest):
+        """The request's embeddings, float32 [len(prompt_token_ids), hidden] (a numpy array);
+        ValueError (a ParamError naming `input`) for a bad input or a model that cannot embed."""
+        embed = getattr(self.engine, "embed", None)
+        if embed is None or "embed" not in getattr(self.engine, "tasks", ()):
+            raise ParamError("model", f"the model {self.engine.model_name} does not serve embeddings")
+        try:
+            return await embed(request.prompt_token_ids)
+        except Exception as exc:
+            if not self.engine.is_healthy():
+                raise EngineReplicaDead(self.replica_id, str(exc)) from None
+            raise
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "replica_id": self.replica_id}
@@ -257,9 +291,10 @@ class EngineReplica:
             await asyncio.sleep(METRICS_INTERVAL_S)
 
     def __del__(self):
-        task = getattr(self, "_metrics_task", None)
-        if task is not None:
-            task.cancel()
+        for name in ("_metrics_task", "_probe_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
         if shutdown is not None:
             shutdown()

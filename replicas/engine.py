@@ -9,10 +9,11 @@ import logging
 import time
 from pathlib import Path
 
-from replicas.block_manager import BlockManager
+from replicas.block_manager import BlockManager, kv_window_of
 from replicas.config import EngineConfig
 from replicas.default_model import resolve_model
 from replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
+from replicas.errors import StepFailed
 from replicas.model_runner import ModelRunner, RunnerOutput
 from replicas.outputs import RequestOutput
 from replicas.request import Request
@@ -20,6 +21,7 @@ from replicas.block_hash import block_hashes
 from replicas.sampling_params import ParamError, SamplingParams
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.sequence import Sequence, SequenceStatus
+from replicas.structured import GrammarCompiler, PendingGrammars, attach_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +37,29 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.token_decoder = TokenDecoder(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
-        # Past the rotary table (or a sliding window we do not implement) outputs would be wrong.
+        # Past the rotary table outputs would be wrong (sliding windows need no cap: the kernels
+        # apply them, and the block manager drops the blocks no layer's window reaches).
         limit = self.runner.model.max_context_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.model_name = config.served_model_name or config.model or Path(self.model_dir).name
         self.block_size = config.block_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            sliding_window=kv_window_of(getattr(self.runner.model, "sliding_windows", None)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        self.pending_grammars = PendingGrammars()
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Validate and tokenize; touches no engine state, so it is safe from any thread.
 
         What only the engine knows is checked here (the context it serves, its KV capacity, its
@@ -77,14 +83,21 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
-        capacity = self.block_manager.num_blocks * self.block_size
-        if num_prompt + max_tokens > capacity:
-            raise ParamError("max_tokens", f"the request needs up to {num_prompt + max_tokens} tokens "
-                             f"of KV cache but this replica holds only {capacity}")
+        # Under a sliding window a sequence holds only its window's blocks, whatever its length.
+        step_tokens = min(num_prompt, self.config.max_num_batched_tokens) \
+            if self.config.enable_chunked_prefill else num_prompt
+        needed = self.block_manager.max_blocks_held(num_prompt + max_tokens, step_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ParamError("max_tokens", f"the request needs up to {needed * self.block_size} "
+                             f"tokens of KV cache at once but this replica holds only "
+                             f"{self.block_manager.num_blocks * self.block_size}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
                 raise ParamError(name, f"{name} must be at most {self.config.max_logprobs}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ParamError("priority", f"got priority {priority} but priority scheduling is not "
+                             f"enabled (scheduling_policy=priority)")
         params.eos_token_ids = set(self.eos_token_ids)
         request = Request(request_id, text, token_ids, params,
                           arrival_time=arrival_time or time.monotonic())
@@ -93,7 +106,8 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, token_ids, params, self.block_size, index=i,
                            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                           arrival_time=request.arrival_time, block_hashes=list(hashes))
+                           arrival_time=request.arrival_time, block_hashes=list(hashes),
+                           priority=priority)
             request.seqs.append(seq)
             request.detokenizers.append(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -104,23 +118,34 @@ class LLMEngine:
             request.cumulative_logprobs.append(0.0)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.compile(params.structured_outputs)
         return request
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.grammar is not None and not request.grammar.done():
+            self.requests[request.request_id] = request
+            self.pending_grammars.add(request)  # the scheduler sees it once it has compiled
+            return
+        if request.grammar is not None:
+            attach_grammar(request)  # raises the ParamError of a grammar that failed
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add(self.make_request(request_id, prompt, params, arrival_time))
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        self.add(self.make_request(request_id, prompt, params, arrival_time, priority))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self.pending_grammars.pop(request_id) is not None:  # never reached the scheduler
+            for seq in request.seqs:
+                seq.status = SequenceStatus.FINISHED_ABORTED
         for seq in request.seqs:
             self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
         request.finish_time = time.monotonic()
@@ -133,11 +158,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that advanced or finished (only
         the finished ones under RequestOutputKind.FINAL_ONLY)."""
+        if self.pending_grammars:
+            self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if self.pending_grammars:  # nothing else to do: wait a moment for a grammar
+                self.pending_grammars.wait(0.01)
             return []
-        runner_output = self.runner.execute(scheduler_output)
-        return self.update_from_output(scheduler_output, runner_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+            return self.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:
+            raise self._fail_step(scheduler_output, exc) from exc
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: RunnerOutput) -> list[RequestOutput]:
@@ -147,6 +179,8 @@ class LLMEngine:
                                       if not s.samples)
         for seq_id, (start, positions) in runner_output.prompt_logprobs.items():
             self._add_prompt_logprobs(scheduler_output.seq(seq_id), start, positions)
+        for seq_id, embedding in runner_output.pooled.items():  # it finishes in this update
+            self.requests[scheduler_output.seq(seq_id).request_id].embedding = embedding
         sampled = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
         self.num_generation_tokens += len(sampled)
         now = time.monotonic()
@@ -162,6 +196,8 @@ class LLMEngine:
                 request.logprobs[seq.index].append(logprobs)
                 request.cumulative_logprobs[seq.index] += logprobs[token_id].logprob
             self._detokenize(request, seq, token_id)
+            if seq.grammar is not None and not seq.is_finished:
+                self._advance_grammar(seq)
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
         outputs = []
@@ -173,10 +209,16 @@ class LLMEngine:
                 outputs.append(request.output())
         return outputs
 
+    def take_failures(self) -> list[tuple[str, ParamError]]:
+        """Requests that ended with an error of their own since the last call (a grammar that
+        failed to compile), as (request_id, error); they produce no output."""
+        failures, self.pending_grammars.failures = self.pending_grammars.failures, []
+        return failures
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
-            "num_waiting": self.scheduler.num_waiting,
+            "num_waiting": self.scheduler.num_waiting + len(self.pending_grammars),
             "num_running": self.scheduler.num_running,
             "num_requests": len(self.requests),
             "kv_blocks_total": bm.num_blocks,
@@ -190,9 +232,31 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "kv_slot_waste": bm.kv_slot_waste,
+            **self.runner.platform,  # dtype, kv_cache_dtype, cpu: model, level, flags, kernels
         }
 
     # -- internals --------------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        for request in self.pending_grammars.take_ready():
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        for request_id, _ in self.pending_grammars.failures:
+            self.requests.pop(request_id, None)
+
+    def _advance_grammar(self, seq: Sequence) -> None:
+        """After a sampled token: the grammar follows; complete, the sequence stops there."""
+        seq.grammar.advance(seq.token_ids, seq.num_prompt_tokens)
+        if seq.grammar.is_terminated:
+            self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> StepFailed:
+        """Abort the step's requests: whatever state the failure left them in goes with them."""
+        request_ids = list(dict.fromkeys(s.seq.request_id for s in scheduler_output.scheduled))
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        logger.error("engine step failed; aborted its %d request(s): %r", len(request_ids), exc)
+        return StepFailed(request_ids, f"{type(exc).__name__}: {exc}")
+
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], list[int] | None]:
         """(text, token ids, the prompt's block hashes if the caller gave them)."""
         if isinstance(prompt, dict):

@@ -1,4 +1,5 @@
-"""vLLM's offline API: LLM(model).generate(prompts, sampling_params) and LLM.chat(...)."""
+"""vLLM's offline API: LLM(model).generate(prompts, sampling_params), LLM.chat(...) and, for an
+embedding model, LLM.embed(prompts)."""
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,11 @@ from collections.abc import Sequence as SequenceABC
 from tqdm.auto import tqdm
 
 from replicas.config import EngineConfig
+from replicas.embedding_model import resolve_model_name, uses_encoder
+from replicas.encoder_engine import EmbedInput, EncoderEngine
 from replicas.engine import LLMEngine, PromptInput
 from replicas.outputs import RequestOutput
+from replicas.pooling import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
 from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
@@ -18,17 +22,52 @@ class LLM:
     """Offline batched generation on one engine. `model=None` serves the embedded default model."""
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        # An encoder checkpoint (an embedding model) has no generating engine, only embed().
+        self.encoder = EncoderEngine(config, resolve_model_name(model)) if uses_encoder(model) else None
+        self.llm_engine = LLMEngine(config) if self.encoder is None else None
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return (self.encoder or self.llm_engine).tokenizer
+
+    def embed(self, prompts: EmbedInput | SequenceABC[EmbedInput],
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One output per prompt (a text or token ids), in order; `.outputs.embedding` is the
+        pooled (normalized, where the model says so) embedding as a list of floats."""
+        if self.encoder is None:  # a decoder: pooling requests through its scheduler
+            mode = self.llm_engine.config.pooling
+            if mode is None:
+                raise ValueError("this model generates: embed() needs an encoder checkpoint (e.g. a "
+                                 "sentence-transformers directory) or the engine setting pooling")
+            outputs = self.generate(prompts, pooling_params(mode), use_tqdm=use_tqdm)
+            return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding),
+                                           o.prompt_token_ids) for o in outputs]
+        prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p
+                   for p in _as_prompt_list(prompts)]
+        token_ids = self.encoder.tokenize(prompts)
+        outputs = []
+        with tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            for start, end in self.encoder.batches(token_ids):
+                rows = self.encoder.embed_batch(token_ids[start:end])
+                outputs += [EmbeddingRequestOutput(f"embed-{next(self._request_ids)}",
+                                                   EmbeddingOutput(row.tolist()), ids)
+                            for row, ids in zip(rows, token_ids[start:end])]
+                bar.update(end - start)
+        return outputs
 
     def generate(self, prompts: PromptInput | SequenceABC[PromptInput],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs come back in the order of the prompts."""
+                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
+        """Outputs come back in the order of the prompts. `priority` (one per prompt) needs
+        scheduling_policy="priority"."""
+        if self.llm_engine is None:
+            raise ValueError("this model is an embedding model: it does not generate (use embed())")
         prompts = _as_prompt_list(prompts)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -38,12 +77,13 @@ class LLM:
         engine = self.llm_engine
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         # Only the finished outputs are read: no output is built for a request until then.
-        requests = [engine.make_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
-                    for rid, p, sp in zip(ids, prompts, params)]
-        for request in requests:
-            engine.add(request)
+        requests = [engine.make_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                                        priority=prio)
+                    for rid, p, sp, prio in zip(ids, prompts, params, priorities)]
         results: dict[str, RequestOutput] = {}
         try:
+            for request in requests:
+                engine.add(request)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                       dynamic_ncols=True) as bar:
                 while engine.has_unfinished_requests():
@@ -51,6 +91,8 @@ class LLM:
                         if output.finished:
                             results[output.request_id] = output
                             bar.update(1)
+                    for _, exc in engine.take_failures():  # a grammar that did not compile
+                        raise exc
         finally:  # an interrupt must not leave requests holding KV blocks
             for rid in ids:
                 if rid not in results:
@@ -61,6 +103,8 @@ class LLM:
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
+        if self.llm_engine is None:
+            raise ValueError("this model is an embedding model: it does not generate (use embed())")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts = []

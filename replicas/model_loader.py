@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from kernels import cpu_features
 from replicas.default_model import check_model_dir
 from replicas.models import get_model_class
 
@@ -29,17 +30,12 @@ def load_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(check_model_dir(model_dir)))
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: the x86 CPUs on which bf16 GEMMs beat fp32 ones."""
-    return any(getattr(torch.cpu, probe, lambda: False)()
-               for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | str = "cpu") -> torch.dtype:
-    """"auto" means the checkpoint's own dtype (float32 when it names none or an unsupported one).
-
-    On a CPU without native bf16 (e.g. AVX2-only: 1.4 GFLOP/s in bf16 vs ~90 in fp32 measured)
-    "auto" runs half-precision checkpoints in float32; an explicit dtype is always obeyed.
+    """"auto" means the checkpoint's own dtype (float32 when it names none or an unsupported one),
+    as in vLLM, with the CPU's exceptions: half-precision checkpoints run in bf16 where the CPU
+    level has native bf16 (kernels/cpu_features.has_native_bf16: fp16 too, as vLLM's CPU backend
+    casts it, torch's CPU fp16 kernels being slow), in float32 elsewhere (AVX2-only: 1.4 GFLOP/s
+    in bf16 vs ~90 in fp32 measured). An explicit dtype is always obeyed.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -54,12 +50,13 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | st
     if isinstance(found, torch.dtype):
         found = str(found).removeprefix("torch.")
     resolved = DTYPES.get(found, torch.float32)
-    if (torch.device(device).type == "cpu" and resolved != torch.float32
-            and not (resolved == torch.bfloat16 and cpu_has_native_bf16())):
-        logger.info("checkpoint dtype is %s, which this CPU has no fast kernels for: running float32 "
-                    "(dtype=%s forces it)", found, found)
-        return torch.float32
-    return resolved
+    if torch.device(device).type != "cpu" or resolved == torch.float32:
+        return resolved
+    chosen = torch.bfloat16 if cpu_features.has_native_bf16() else torch.float32
+    if chosen != resolved:
+        logger.info("checkpoint dtype is %s, which this CPU has no fast kernels for: running %s "
+                    "(dtype=%s forces it)", found, str(chosen).removeprefix("torch."), found)
+    return chosen
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels import kv_cache_bytes_per_block, kv_cache_shape
+from kernels import cpu_linear, kv_cache_bytes_per_block, kv_cache_shape
+from replicas.block_manager import kv_window_of
 from replicas.config import EngineConfig
 from replicas.input_batch import InputBatch
-from replicas.model_loader import load_model
+from replicas.model_loader import DTYPES, load_model
 from replicas.outputs import PositionLogprobs
+from replicas.pooling import PromptPooler
 from replicas.sampler import Sampler, compute_prompt_logprobs
 from replicas.scheduler import SchedulerOutput
 
@@ -28,6 +30,7 @@ class RunnerOutput:
     logprobs: list[PositionLogprobs | None]  # aligned with sampled_token_ids
     # seq_id -> (first prompt position p, logprobs of prompt tokens p+1, p+2, ...)
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> pooling embedding
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,6 +48,13 @@ class ModelRunner:
         self.model, self.hf_config, self.dtype = load_model(
             model_dir, dtype=config.dtype, device=str(self.device),
             attention_backend=config.attention_backend)
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        if self.kv_cache_dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError("kv_cache_dtype other than the model dtype is supported on CPU only")
+        # What runs here, for stats(): the dtypes and, on CPU, the CPU level and GEMM kernels.
+        self.platform = {"dtype": str(self.dtype).removeprefix("torch."),
+                         "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+                         "cpu": cpu_linear.describe(self.dtype) if self.device.type == "cpu" else None}
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -53,11 +63,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.num_layers)]
-        self.sampler = Sampler(self.vocab_size, self.device)
-        # A sequence never holds more blocks than the model's context needs or the cache has.
-        max_blocks_per_seq = min(-(-self.model.max_context_len // self.block_size), self.num_blocks)
+        self.sampler = Sampler(self.vocab_size, self.device, config.max_num_seqs)
+        # A sequence's table never has more entries than the model's context needs, nor than the
+        # cache has blocks unless a sliding window drops them (their entries stay, as NULL_BLOCK).
+        max_blocks_per_seq = -(-self.model.max_context_len // self.block_size)
+        if kv_window_of(getattr(self.model, "sliding_windows", None)) is None:
+            max_blocks_per_seq = min(max_blocks_per_seq, self.num_blocks)
+        self.pooler = PromptPooler()
         self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
                                       max_blocks_per_seq, self.block_size, self.device)
         logger.info("kv cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -66,7 +80,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.block_size, self.num_kv_heads, self.head_dim,
-                                        self.num_layers, self.dtype)
+                                        self.num_layers, self.kv_cache_dtype)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -89,16 +103,18 @@ class ModelRunner:
         step = self.input_batch.prepare(out.scheduled)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
         prompt_logprobs = self._prompt_logprobs(out, hidden, step.query_start_loc)
+        pooled = self.pooler.update(out.scheduled, hidden, step.query_start_loc)
         if not step.sampling_seqs:
-            return RunnerOutput([], [], prompt_logprobs)
+            return RunnerOutput([], [], prompt_logprobs, pooled)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         sampled = self.sampler(logits, step.sampling_seqs)
-        return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+        return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs, pooled)
 
     def release(self, seq_id: int) -> None:
         """A finished or aborted sequence: free its input-batch row and its sampler state."""
         self.input_batch.release(seq_id)
         self.sampler.release(seq_id)
+        self.pooler.release(seq_id)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, query_start_loc: np.ndarray
                          ) -> dict[int, tuple[int, list[PositionLogprobs]]]:

@@ -58,6 +58,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_prompt_tokens: int = 0
     metrics: dict | None = None  # timings; on a request's last output
+    embedding: list[float] | None = None  # a pooling request's pooled final hidden state
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later delta of the same request into this one (vLLM's aggregate=True)."""
@@ -75,3 +76,5 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
         if later.metrics is not None:
             self.metrics = later.metrics
+        if later.embedding is not None:
+            self.embedding = later.embedding

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from replicas.detokenizer import IncrementalDetokenizer
@@ -27,6 +28,9 @@ class Request:
     # Per seq, how much a DELTA output has handed out already: (chars, tokens, finished).
     sent: list[list] = field(default_factory=list)
     num_outputs: int = 0
+    # Under structured outputs, the Future of its compiled grammar (replicas.structured).
+    grammar: Future | None = None
+    embedding: list[float] | None = None  # a pooling request's, once its prompt has been run
 
     @property
     def finished(self) -> bool:
@@ -86,4 +90,5 @@ class Request:
             outputs=completions, finished=finished,
             prompt_logprobs=self.prompt_logprobs if keep_prompt else None,
             num_cached_tokens=self.num_cached_tokens,
-            num_prompt_tokens=len(self.prompt_token_ids), metrics=metrics)
+            num_prompt_tokens=len(self.prompt_token_ids), metrics=metrics,
+            embedding=self.embedding if finished else None)

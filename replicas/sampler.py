@@ -1,9 +1,9 @@
 """Turns one engine step's logits into one token per sequence (plus logprobs when asked).
 
-Order, as in vLLM: raw logprobs → logit_bias → min_tokens → penalties → greedy argmax, or
-temperature → min_p → top_k / top_p → random sample. Every filter touches only the rows that
-asked for it, and seeded rows draw their noise from their own generator, so a row's token never
-depends on the rest of the batch.
+Order, as in vLLM: grammar mask (structured outputs: constrained rows only) → raw logprobs →
+logit_bias → min_tokens → penalties → greedy argmax, or temperature → min_p → top_k / top_p →
+random sample. Every filter touches only the rows that asked for it, and seeded rows draw their
+noise from their own generator, so a row's token never depends on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -43,10 +43,13 @@ class Sampler:
     advances its generator on every call. `logits` may be modified in place.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu",
+                 max_num_seqs: int = 256) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
         self._generators: dict[int, torch.Generator] = {}
+        self._bitmask = None  # a TokenBitmask, made when the first constrained row comes
 
     def release(self, seq_id: int) -> None:
         """Forget a finished or aborted sequence (not a preempted one: its draws continue)."""
@@ -56,6 +59,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            self._apply_grammars(logits, seqs, constrained)
         if all(_is_plain_greedy(seq) for seq in seqs):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
@@ -79,6 +85,12 @@ class Sampler:
             for i, position in zip(logprob_rows, positions):
                 logprobs[i] = position
         return SamplerOutput(sampled.tolist(), logprobs)
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        if self._bitmask is None:
+            from replicas.structured.bitmask import TokenBitmask
+            self._bitmask = TokenBitmask(self.max_num_seqs, logits.shape[1], self.device)
+        self._bitmask.apply(logits, rows, [seqs[i].grammar.matcher for i in rows])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]

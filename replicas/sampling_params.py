@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -24,6 +26,62 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what changed since the previous output: streams
     FINAL_ONLY = 2  # one output, when the request finishes: non-streamed calls pay nothing per token
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's guided decoding request: exactly one of json (a JSON schema, dict or string),
+    json_object (any JSON object), regex, choice (one of these strings), grammar (Lark, or GBNF).
+
+    `source` names the request field it came from (`response_format` or `structured_outputs`),
+    so an error in it names that field.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    source: str = field(default="structured_outputs", compare=False)
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one canonical string: with `kind`, the key of its compiled grammar."""
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+    def verify(self) -> None:
+        def fail(why: str):
+            raise ParamError(self.source, f"{self.source} {why}")
+
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            fail(f"must set exactly one of {', '.join(self.KINDS)}; got {set_kinds or 'none'}")
+        kind = set_kinds[0]
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    fail(f"json is not valid JSON: {exc}")
+            if not isinstance(value, (dict, bool)):
+                fail("json must be a JSON schema (an object)")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                fail(f"{kind} must be a non-empty string")
+        elif kind == "choice":
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                fail("choice must be a non-empty list of non-empty strings")
+        elif value is not True:
+            fail("json_object must be true")
 
 
 @dataclass
@@ -50,6 +108,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    # "last" or "mean": a prefill-only request whose final hidden states are pooled into its
+    # output's `embedding` (replicas/pooling.py); it samples one token, which nobody reads.
+    pooling: str | None = None
     # Filled by the engine, not the user.
     eos_token_ids: set[int] = field(default_factory=set, repr=False)  # the model's; set by the engine
 
@@ -96,6 +158,10 @@ class SamplingParams:
         check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
               f"must be non-negative, got {self.prompt_logprobs}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        if self.structured_outputs is not None:
+            check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                  "must be a StructuredOutputsParams")
+            self.structured_outputs.verify()
 
     def clone(self, **changes) -> "SamplingParams":
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "eos_token_ids"}

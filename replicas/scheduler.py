@@ -46,9 +46,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# fcfs: arrival order. priority: each sequence's (priority, arrival) order, lowest first, both
+# for admission and (reversed) for picking whom to preempt, as vLLM's policies do.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}: use one of {SCHEDULING_POLICIES}")
+        self.policy = policy
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -71,12 +79,18 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # Running sequences first, oldest first; the youngest is preempted when blocks run out.
+        # Running sequences first, oldest (most urgent) first; the youngest (least urgent) is
+        # preempted when blocks run out.
+        if self.policy == "priority":
+            self.running.sort(key=Sequence.schedule_key.fget)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -93,11 +107,13 @@ class Scheduler:
                 i += 1
                 continue
             break
-        # Admit waiting sequences, first come first served, unless this step had to preempt.
+        # Admit waiting sequences in policy order, unless this step had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed_blocks, num_cached = [], 0
-            if seq.sampling_params.prompt_logprobs is None:  # prompt logprobs need every position
+            params = seq.sampling_params
+            # Prompt logprobs and pooling need every position's hidden state: no cache hits.
+            if params.prompt_logprobs is None and params.pooling is None:
                 computed_blocks, num_cached = self.block_manager.get_computed_blocks(seq)
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
@@ -151,7 +167,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        key = seq.schedule_key
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].schedule_key > key:  # usually at the end
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
         params = seq.sampling_params

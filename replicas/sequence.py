@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from replicas.block_hash import hash_block, ROOT_HASH
 from replicas.sampling_params import SamplingParams
@@ -47,6 +48,14 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the cache
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Its GrammarMatcher under structured outputs, else None; the control plane only carries it.
+    grammar: Any = field(default=None, repr=False)
+    priority: int = 0  # under the priority policy: lower is served first
+
+    @property
+    def schedule_key(self) -> tuple[int, float, int]:
+        """The priority policy's order: priority, then arrival (first come first served)."""
+        return (self.priority, self.arrival_time, self.seq_id)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

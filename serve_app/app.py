@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
@@ -11,10 +12,13 @@ from ray.serve import Application
 
 from replicas.default_model import check_model_dir
 from replicas.deployment import EngineReplica
+from replicas.embedding_model import resolve_model_name
 from serve_app import autoscaling as queue_depth_autoscaling
 from serve_app.config import DEFAULT_REQUEST_ROUTER, ServeSettings
 from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
 from serve_app.routing.policy import RoutingSettings
+
+logger = logging.getLogger(__name__)
 
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
@@ -93,14 +97,55 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
     if not isinstance(settings, ServeSettings):
         settings = ServeSettings.from_args(settings)
     replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
-        settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s)
+        settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s,
+        settings.probe_interval_s)
     return serve.deployment(Ingress, **ingress_options(settings)).bind(
         replica, settings.ingress_settings().model_dump())
 
 
 def app(args: dict[str, str]) -> Application:
     """Application builder for `serve run serve_app:app key=value ...` and config files."""
+    settings = checked_settings(args)
+    start_serve_for_serve_run(settings)
+    return build_app(settings)
+
+
+def checked_settings(args: dict[str, Any]) -> ServeSettings:
+    """Settings from a command line (`serve run`'s or `pagedserve serve`'s), model included."""
     settings = ServeSettings.from_args(args)
     if settings.engine.model is not None:  # fail here, not in every replica's constructor
-        check_model_dir(settings.engine.model)
-    return build_app(settings)
+        check_model_dir(resolve_model_name(settings.engine.model))  # a short name: unpacked
+    return settings
+
+
+def start_serve_for_serve_run(settings: ServeSettings) -> None:
+    """Honour `host`/`port` under `serve run serve_app:app port=...`.
+
+    `serve run <import path>` calls this builder before it starts Ray, then starts Serve with
+    Ray's default HTTP options, which a running proxy keeps. So when they are given, the builder
+    starts Ray as `serve run` would (its address, namespace and runtime env, read from its own
+    command line) and Serve with them; `serve run` then finds both running and deploys onto them.
+    """
+    http_options = {key: getattr(settings, key) for key in ("host", "port")
+                    if key in settings.model_fields_set}
+    if not http_options:
+        return
+    import click
+    import ray
+
+    context = click.get_current_context(silent=True)
+    callback = getattr(context.command, "callback", None) if context else None
+    if ray.is_initialized() or getattr(callback, "__module__", "") != "ray.serve.scripts":
+        logger.warning("host/port settings take effect where pagedserve starts Ray Serve "
+                       "(`pagedserve serve`, `serve run serve_app:app`); here Serve's own "
+                       "http_options apply")
+        return
+    from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    params = context.params
+    ray.init(address=params.get("address"), namespace=SERVE_NAMESPACE,
+             runtime_env=parse_runtime_env_args(runtime_env=params.get("runtime_env"),
+                                                runtime_env_json=params.get("runtime_env_json"),
+                                                working_dir=params.get("working_dir")))
+    serve.start(http_options=http_options)

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from replicas.config import EngineConfig
+from serve_app.limits import RequestLimits
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 # Used when the settings name none: prefix-cache-affinity routing (it also pins output channels).
@@ -30,6 +31,7 @@ DEFAULTS = dict(
     graceful_shutdown_timeout_s=20.0,
     target_queue_depth=4.0,
     max_stream_delay_s=0.02,
+    readiness_window_s=30.0,
 )
 
 
@@ -46,10 +48,14 @@ class IngressSettings(BaseModel):
     output_channels: bool  # ServeSettings.channels_enabled
     max_stream_events_per_s: float | None
     max_stream_delay_s: float
+    readiness_window_s: float
+    request_timeout_s: float | None
+    limits: RequestLimits
 
 
-class ServeSettings(BaseModel):
-    """Everything `serve_app.app.build_app` needs; `engine` is handed to every replica as is."""
+class ServeSettings(RequestLimits):
+    """Everything `serve_app.app.build_app` needs; `engine` is handed to every replica as is.
+    The request limits (`serve_app.limits.RequestLimits`) are fields of it too."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -77,9 +83,21 @@ class ServeSettings(BaseModel):
     # A replica whose engine has work but has not stepped for this long reports itself unhealthy.
     engine_stall_timeout_s: float = Field(DEFAULTS["engine_stall_timeout_s"], gt=0)
     graceful_shutdown_timeout_s: float = Field(DEFAULTS["graceful_shutdown_timeout_s"], ge=0)
+    # From arrival at the ingress to the last token; past it a request ends with a 408 (or, for a
+    # stream already started, an error event) and the engine stops working on it. None: no limit.
+    request_timeout_s: float | None = Field(None, gt=0)
+    # /health/ready is 200 only if some engine replica sampled a token this recently; idle
+    # replicas probe themselves every third of it.
+    readiness_window_s: float = Field(DEFAULTS["readiness_window_s"], gt=0)
 
     # Ray Serve's per-request access log lines (off: logs stay quiet, and a line per call costs CPU).
     access_log: bool = False
+
+    # Where Ray Serve's HTTP proxy listens (Ray Serve's own defaults). The proxy starts before any
+    # application, so these apply where pagedserve starts Serve: `pagedserve serve`, and
+    # `serve run serve_app:app host=... port=...`. A config file sets its `http_options` instead.
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
 
     # Ingress.
     num_ingress_replicas: int = Field(1, ge=1)
@@ -134,6 +152,10 @@ class ServeSettings(BaseModel):
         return float(self.engine.num_threads or 1)
 
     @property
+    def probe_interval_s(self) -> float:
+        return self.readiness_window_s / 3
+
+    @property
     def channels_enabled(self) -> bool:
         return self.output_channels and self.request_router_class in (None, DEFAULT_REQUEST_ROUTER)
 
@@ -141,7 +163,11 @@ class ServeSettings(BaseModel):
         return IngressSettings(api_keys=self.api_keys, retry_after_s=self.retry_after_s,
                                output_channels=self.channels_enabled,
                                max_stream_events_per_s=self.max_stream_events_per_s,
-                               max_stream_delay_s=self.max_stream_delay_s)
+                               max_stream_delay_s=self.max_stream_delay_s,
+                               readiness_window_s=self.readiness_window_s,
+                               request_timeout_s=self.request_timeout_s,
+                               limits=RequestLimits.model_validate(
+                                   {k: getattr(self, k) for k in RequestLimits.model_fields}))
 
     @property
     def replica_ongoing_limit(self) -> int:

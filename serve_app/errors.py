@@ -65,6 +65,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(message, 400, param=param, code=code)
 
 
+def body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(f"The request body is larger than {limit} bytes.", 413,
+                       code="request_too_large")
+
+
+def request_timeout(timeout_s: float) -> OpenAIError:
+    return OpenAIError(f"The request did not complete within request_timeout_s ({timeout_s:g} s).",
+                       408, type="timeout_error", code="request_timeout")
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(f"The model `{model}` does not exist.", 404, param="model",
                        code="model_not_found")

@@ -11,11 +11,13 @@ import time
 from collections.abc import AsyncIterator
 
 from replicas.outputs import RequestOutput
+from serve_app import tool_calls
 from serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                 ChatCompletionResponse, ChatCompletionStreamResponse, ChatStreamChoice,
                                 CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                CompletionResponse, CompletionStreamResponse, DeltaMessage)
-from serve_app.responses import LogprobFormatter, PromptState, usage
+                                CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
+                                DeltaMessage, DeltaToolCall, FunctionCall, ToolCall, random_id)
+from serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
 
 Merged = AsyncIterator[tuple[int, RequestOutput]]
 
@@ -139,19 +141,36 @@ class CompletionFormatter(_Formatter):
 class ChatFormatter(_Formatter):
     OBJECT, TEXT_FIELD, TEXT_END = "chat.completion.chunk", '"delta":{"content":', "}"
 
-    def __init__(self, request: ChatCompletionRequest, info, request_id: str, sse: bool = False):
+    def __init__(self, request: ChatCompletionRequest, info, request_id: str, sse: bool = False,
+                 tools: tool_calls.ToolSpec | None = None):
         super().__init__(request, info, request_id, 1, sse)
         self.logprobs = LogprobFormatter(info.tokenizer, request.top_logprobs or 0)
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        if self.tools is not None:
+            self.sse = False
+
+    def _message(self, choice: ChoiceState) -> tuple[AssistantMessage, str | None]:
+        """The message of a finished choice, and its finish reason ("tool_calls" for calls)."""
+        if self.tools is None or choice.finish_reason not in ("stop", "length"):
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        content, calls = tool_calls.parse_calls(choice.text, self.tools)
+        if not calls:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        message = AssistantMessage(content=content, tool_calls=[
+            ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+        return message, "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
 
     async def collect(self, merged: Merged) -> ChatCompletionResponse:
         state = self.states[0]
         async for _, delta in merged:
             state.add(delta)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                              logprobs=self.logprobs.chat(c.token_ids, c.logprobs)
-                              if self.request.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for i, c in enumerate(state.choices)]
+        choices = []
+        for i, c in enumerate(state.choices):
+            message, finish_reason = self._message(c)
+            choices.append(ChatChoice(index=i, message=message,
+                                      logprobs=self.logprobs.chat(c.token_ids, c.logprobs)
+                                      if self.request.logprobs else None,
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                       choices=choices, usage=usage(self.states))
 
@@ -162,6 +181,10 @@ class ChatFormatter(_Formatter):
 
     async def stream(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse | str]:
         """Chunks; with `sse`, text-only ones as ready server-sent events (str)."""
+        if self.tools is not None:
+            async for chunk in self._stream_tools(merged):
+                yield chunk
+            return
         state = self.states[0]
         role_sent = False
         async for _, delta in merged:
@@ -187,3 +210,58 @@ class ChatFormatter(_Formatter):
                                                         stop_reason=cd.stop_reason)])
         if self.request.include_usage:
             yield self._chunk([], usage(self.states))
+
+    async def _stream_tools(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse]:
+        """A named function's arguments stream as they come; other calls are sent whole once
+        the choice ends, and text that cannot be a call ("auto") streams as content."""
+        state, named = self.states[0], self.tools.mode == "named"
+        held = [""] * self.n  # text not sent yet, while it may be a call
+        as_text = [False] * self.n  # "auto" chose plain text
+        role_sent = False
+        async for _, delta in merged:
+            state.add(delta)
+            if not role_sent:
+                role_sent = True
+                for i in range(self.n):
+                    yield self._delta(i, DeltaMessage(role="assistant", content=None if named else ""))
+                    if named:
+                        yield self._calls(i, [tool_calls.Call(self.tools.named, "")])
+            for cd in delta.outputs:
+                i = cd.index
+                if cd.text and named:
+                    yield self._delta(i, DeltaMessage(tool_calls=[DeltaToolCall(
+                        index=0, function=DeltaFunctionCall(arguments=cd.text))]))
+                elif cd.text:
+                    held[i] += cd.text
+                    if as_text[i] or (self.tools.mode == "auto" and not tool_calls.might_be_call(held[i])):
+                        as_text[i] = True
+                        yield self._delta(i, DeltaMessage(content=held[i]))
+                        held[i] = ""
+                if cd.finish_reason is None:
+                    continue
+                finish_reason = cd.finish_reason
+                if named:
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                elif not as_text[i]:
+                    content, calls = tool_calls.parse_calls(state.choices[i].text, self.tools)
+                    if calls:
+                        if content:
+                            yield self._delta(i, DeltaMessage(content=content))
+                        yield self._calls(i, calls)
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    elif held[i]:
+                        yield self._delta(i, DeltaMessage(content=held[i]))
+                yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(),
+                                                    finish_reason=finish_reason,
+                                                    stop_reason=cd.stop_reason)])
+        if self.request.include_usage:
+            yield self._chunk([], usage(self.states))
+
+    def _delta(self, index: int, delta: DeltaMessage) -> ChatCompletionStreamResponse:
+        return self._chunk([ChatStreamChoice(index=index, delta=delta)])
+
+    def _calls(self, index: int, calls: list[tool_calls.Call]) -> ChatCompletionStreamResponse:
+        return self._delta(index, DeltaMessage(tool_calls=[
+            DeltaToolCall(index=k, id=random_id("call"), type="function",
+                          function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+            for k, c in enumerate(calls)]))

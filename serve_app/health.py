@@ -1,15 +1,24 @@
-"""Is every engine replica of this application alive? Ray Serve's view, sharpened by requests.
+"""Is every engine replica of this application alive (`check`, liveness: Ray Serve's view,
+sharpened by requests), and can the application generate right now (`ready`, readiness)?
 
 Ray Serve replaces a replica whose `check_health` fails a few times in a row; until then its
 deployment still counts it as running. A request that meets a dead engine names the replica
 (`EngineReplicaDead`), and the application stays unhealthy until that replica's actor is gone.
+
+Readiness asks more than a running process: some engine replica must have sampled a token within
+the last `window_s` (idle replicas run a one-token probe to keep proving it,
+`replicas.readiness_probe`). The replicas report when in their routing stats, which the request
+router of this ingress receives every second.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from ray import serve
+
+from serve_app.routing.replica_events import last_generation_times
 
 CACHE_S = 0.5
 DEAD_REPLICA_MEMORY_S = 300.0
@@ -45,6 +54,23 @@ class ReplicaHealth:
             healthy, reason = False, f"cannot read the application status: {exc}"
         self._cached = (time.monotonic(), healthy, reason)
         return healthy, reason
+
+    async def ready(self, window_s: float,
+                    replica_stats: Callable[[], Awaitable[dict]] | None = None) -> tuple[bool, str]:
+        """(ready, reason). `replica_stats` asks one replica for its stats: the fallback when the
+        request router is not ours (then only that replica is seen)."""
+        times = last_generation_times(serve.get_replica_context().app_name, self.deployment)
+        if times is None and replica_stats is not None:
+            try:
+                stats = await replica_stats()
+                times = {stats.get("replica_id", "?"): stats.get("last_generation_time")}
+            except Exception as exc:  # noqa: BLE001 - no replica answers: not ready
+                return False, f"no engine replica answered: {exc}"
+        now = time.time()
+        recent = [r for r, t in (times or {}).items() if t is not None and now - t <= window_s]
+        if recent:
+            return True, f"{len(recent)} engine replica(s) generated within the last {window_s:g} s"
+        return False, f"no engine replica has generated a token in the last {window_s:g} s"
 
     def _replica_actor_names(self) -> list[str]:
         import ray

@@ -1,7 +1,8 @@
 """The HTTP surface: a FastAPI app built per ingress instance over its typed methods.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
-/metrics, /version, /docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize,
+/health (liveness), /health/ready (readiness: some engine generated lately), /metrics, /version,
+/docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
 a failure after a stream started is sent as an error event, then `data: [DONE]`.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import FastAPI
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from serve_app import errors
+from serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
 from serve_app.errors import OpenAIError
 from serve_app.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
@@ -22,24 +24,28 @@ from serve_app.protocol import (ChatCompletionRequest, ChatCompletionResponse, C
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/version", "/docs", "/docs/oauth2-redirect",
                         "/redoc", "/openapi.json"})
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-                 "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize"}
+                 "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
+                 "/v1/embeddings": "embeddings"}
 
 
 class FrontDoorMiddleware:
-    """API keys and request counting, as plain ASGI (no per-chunk cost on streams).
+    """API keys, body size and request counting, as plain ASGI (no per-chunk cost on streams).
 
     `Authorization: Bearer <key>` is required on every route but OPEN_PATHS when keys are set; the
-    token is compared with every key in constant time.
+    token is compared with every key in constant time. A body over `max_body_bytes` is a 413: at
+    once when its Content-Length says so, else as soon as that many bytes have arrived (the rest is
+    never read).
     """
 
-    def __init__(self, app, api_keys: list[str], record_status, model_name):
+    def __init__(self, app, api_keys: list[str], record_status, model_name, max_body_bytes: int):
         self.app = app
         self.keys = [k.encode() for k in api_keys]
         self.record_status = record_status
         self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
 
     def _authorized(self, scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
@@ -69,11 +75,45 @@ class FrontDoorMiddleware:
             if self.keys and path not in OPEN_PATHS and scope.get("method") != "OPTIONS" \
                     and not self._authorized(scope):
                 await errors.unauthorized().to_response()(scope, receive, send_and_count)
-            else:
-                await self.app(scope, receive, send_and_count)
+                return
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                bounded = await self._bounded_body(scope, receive)
+                if bounded is None:
+                    await errors.body_too_large(self.max_body_bytes).to_response()(
+                        scope, receive, send_and_count)
+                    return
+                receive = bounded
+            await self.app(scope, receive, send_and_count)
         finally:
             if endpoint != "other":
                 self.record_status(self.model_name(), endpoint, status[0])
+
+
+    async def _bounded_body(self, scope, receive):
+        """A `receive` replaying the whole body, or None when it is over the limit."""
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return None
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client left: let the app see it
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                break
+        if len(messages) > 1 and all(m["type"] == "http.request" for m in messages):
+            body = b"".join(m.get("body", b"") for m in messages)
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+        replay = iter(messages)
+
+        async def replay_receive():
+            message = next(replay, None)
+            return message if message is not None else await receive()
+        return replay_receive
 
 
 def _json(model) -> Response:
@@ -104,7 +144,8 @@ def build_http_app(ingress) -> FastAPI:
                   description="OpenAI-compatible LLM serving on Ray Serve.")
     errors.install_error_handlers(app)
     app.add_middleware(FrontDoorMiddleware, api_keys=ingress.settings.api_keys,
-                       record_status=ingress.metrics.record_status, model_name=ingress.model_name)
+                       record_status=ingress.metrics.record_status, model_name=ingress.model_name,
+                       max_body_bytes=ingress.settings.limits.max_request_body_bytes)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models():
@@ -127,6 +168,10 @@ def build_http_app(ingress) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest):
         return _result(await ingress.chat(request, sse=True))
 
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def create_embedding(request: EmbeddingRequest):
+        return _json(await ingress.embeddings(request))
+
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest):
         return _json(await ingress.tokenize(request))
@@ -141,6 +186,13 @@ def build_http_app(ingress) -> FastAPI:
         if not healthy:
             return errors.unavailable(reason, ingress.settings.retry_after_s).to_response()
         return JSONResponse({"status": "ok", "detail": reason})
+
+    @app.get("/health/ready")
+    async def ready():
+        is_ready, reason = await ingress.ready()
+        if not is_ready:
+            return errors.unavailable(reason, ingress.settings.retry_after_s).to_response()
+        return JSONResponse({"status": "ready", "detail": reason})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

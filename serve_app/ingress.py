@@ -1,7 +1,7 @@
 """The Ingress deployment: validate, tokenize, hash, send to an engine replica, shape the answer.
 
-Its typed methods (`models`, `completions`, `chat`, `tokenize`, `detokenize`, `health`) serve both
-the HTTP routes (`serve_app.http`) and Ray handles from other jobs:
+Its typed methods (`models`, `completions`, `chat`, `embeddings`, `tokenize`, `detokenize`,
+`health`) serve both the HTTP routes (`serve_app.http`) and Ray handles from other jobs:
 
     handle = serve.get_app_handle("pagedserve")
     response = await handle.chat.remote({"messages": [...], "max_tokens": 16})
@@ -18,19 +18,20 @@ import logging
 import pickle
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from ray import serve
 
 from replicas.block_hash import block_hashes
-from replicas.deployment import GenerateRequest
+from replicas.deployment import EmbedRequest, GenerateRequest
 from replicas.sampling_params import ParamError, RequestOutputKind
-from serve_app import errors, formatters
+from serve_app import errors, formatters, limits
+from serve_app import embeddings
 from serve_app.config import IngressSettings
 from serve_app.errors import OpenAIError
 from serve_app.health import ReplicaHealth
 from serve_app.metrics import IngressMetrics
+from serve_app.prompts import (INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_prompt, check_serves,
+                               completion_prompts, encode)
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
@@ -43,23 +44,6 @@ logger = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "EngineReplica"
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    max_model_len: int
-    block_size: int
-    vocab_size: int
-    max_logprobs: int
-    tokenizer: Any
-    created: int
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]
-    text: str | None
-
-
 @serve.ingress()
 class Ingress:
     """Front door of the application; one instance per ingress replica."""
@@ -69,7 +53,8 @@ class Ingress:
         self.replica = engine_replica
         self.replica_stream = engine_replica.options(stream=True)
         self.channels = OutputChannels(self.replica_stream.open_channel.remote
-                                       if self.settings.output_channels else None)
+                                       if self.settings.output_channels else None,
+                                       self.settings.retry_after_s)
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None
@@ -102,7 +87,7 @@ class Ingress:
                         name=info["model_name"], max_model_len=info["max_model_len"],
                         block_size=info["block_size"], vocab_size=info["vocab_size"],
                         max_logprobs=info["max_logprobs"], tokenizer=tokenizer,
-                        created=int(time.time()))
+                        created=int(time.time()), tasks=tuple(info.get("tasks", ("generate",))))
         return self._info
 
     async def _prefetch_model_info(self) -> None:
@@ -127,9 +112,12 @@ class Ingress:
     async def completions(self, request: CompletionRequest | dict, sse: bool = False):
         """A CompletionResponse, or (request.stream) an async iterator of CompletionStreamResponse
         (`sse`: the HTTP route's, some chunks already rendered as server-sent events)."""
+        deadline = self._deadline()
         request = _parse(CompletionRequest, request)
         info = await self._checked_model(request.model)
-        prompts = self._completion_prompts(request, info)
+        check_serves(info, "generate")
+        limits.check_completion(request, self.settings.limits, info.max_model_len)
+        prompts = await completion_prompts(request, info)
         if request.logprobs is not None and request.logprobs > info.max_logprobs:
             raise errors.bad_request(f"logprobs must be at most {info.max_logprobs}", "logprobs")
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
@@ -139,35 +127,28 @@ class Ingress:
                                            p, request, request.max_tokens, request.logprobs,
                                            prompt_logprobs, info, "prompt")
                     for i, p in enumerate(prompts)]
-        replica_streams = await self._start(generate)
+        replica_streams = await self._start(generate, deadline)
         formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
         merged = merge_streams(replica_streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
-        return await self._collected(formatter, merged, info, started, replica_streams)
-
-    def _completion_prompts(self, request: CompletionRequest, info: ModelInfo) -> list[Prompt]:
-        prompt = request.prompt
-        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        prompts = []
-        for item in items:
-            if isinstance(item, str):
-                ids = info.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
-                prompts.append(Prompt(ids, item))
-            else:
-                if any(t < 0 or t >= info.vocab_size for t in item):
-                    raise errors.bad_request(f"prompt token ids must be in [0, {info.vocab_size})",
-                                             "prompt")
-                prompts.append(Prompt(list(item), None))
-        return prompts
+            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams,
+                                  deadline)
+        return await self._collected(formatter, merged, info, started, replica_streams, deadline)
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest | dict, sse: bool = False):
         """A ChatCompletionResponse, or (request.stream) an async iterator of chunks (`sse`: as
         for `completions`)."""
+        deadline = self._deadline()
         request = _parse(ChatCompletionRequest, request)
         info = await self._checked_model(request.model)
-        prompt = self._chat_prompt(request, info)
+        check_serves(info, "generate")
+        limits.check_chat(request, self.settings.limits, info.max_model_len)
+        try:
+            tools = request.tool_spec()
+        except ParamError as exc:
+            raise errors.bad_request(str(exc), exc.param) from None
+        prompt = await chat_prompt(request, info, tools)
         num_top = request.top_logprobs or 0
         if num_top > info.max_logprobs:
             raise errors.bad_request(f"top_logprobs must be at most {info.max_logprobs}",
@@ -176,34 +157,39 @@ class Ingress:
         started = time.monotonic()
         generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
                                           num_top if request.logprobs else None, None, info, "messages")
-        replica_streams = await self._start([generate])
-        formatter = formatters.ChatFormatter(request, info, request_id, sse)
+        replica_streams = await self._start([generate], deadline)
+        formatter = formatters.ChatFormatter(request, info, request_id, sse, tools)
         merged = merge_streams(replica_streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams)
-        return await self._collected(formatter, merged, info, started, replica_streams)
+            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams,
+                                  deadline)
+        return await self._collected(formatter, merged, info, started, replica_streams, deadline)
 
-    def _chat_prompt(self, request: ChatCompletionRequest | TokenizeChatRequest,
-                     info: ModelInfo) -> Prompt:
-        messages = []
-        for m in request.messages:
-            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name:
-                message["name"] = m.name
-            messages.append(message)
-        tokenizer = info.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise errors.bad_request("this model has no chat template; use /v1/completions")
+    # -- embeddings ----------------------------------------------------------------------------
+    async def embeddings(self, request: embeddings.EmbeddingRequest | dict
+                         ) -> embeddings.EmbeddingResponse:
+        """OpenAI's embeddings: one vector per input, in order (float lists or base64)."""
+        request = _parse(embeddings.EmbeddingRequest, request)
+        info = await self._checked_model(request.model)
+        check_serves(info, "embed")
+        items = request.items()
+        texts = [item for item in items if isinstance(item, str)]
+        for text in texts:
+            limits.check_prompt_text(text, self.settings.limits, info.max_model_len, param="input")
+        tokenize = functools.partial(embeddings.tokenize_inputs, request, info.tokenizer,
+                                     info.max_model_len, info.vocab_size)
+        if sum(map(len, texts)) <= INLINE_TOKENIZE_CHARS:
+            token_ids = tokenize()
+        else:
+            token_ids = await asyncio.to_thread(tokenize)
+        started = time.monotonic()
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                **(request.chat_template_kwargs or {}))
-        except Exception as exc:  # template errors are the request's fault (e.g. role order)
-            raise errors.bad_request(f"the chat template rejected the messages: {exc}",
-                                     "messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        return Prompt(ids, text)
+            vectors = await self.replica.embed.remote(EmbedRequest(random_id("embd"), token_ids))
+        except Exception as exc:
+            raise self._map_error(exc) from None
+        response = embeddings.build_response(request, vectors, token_ids, info.name)
+        self.metrics.record_request(info.name, started, None, response.usage.prompt_tokens, 0, 0)
+        return response
 
     # -- tokenizer endpoints -------------------------------------------------------------------
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest | dict
@@ -213,9 +199,11 @@ class Ingress:
                              request)
         info = await self._checked_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            ids = self._chat_prompt(request, info).token_ids
+            limits.check_messages(request, self.settings.limits, info.max_model_len)
+            ids = (await chat_prompt(request, info)).token_ids
         else:
-            ids = info.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            limits.check_prompt_text(request.prompt, self.settings.limits, info.max_model_len)
+            ids = await encode(info.tokenizer, request.prompt, request.add_special_tokens)
         strs = info.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids,
                                 token_strs=strs)
@@ -231,6 +219,11 @@ class Ingress:
     async def health(self) -> tuple[bool, str]:
         """(healthy, reason): every engine replica running, none with a dead engine loop."""
         return await self.replica_health.check()
+
+    async def ready(self) -> tuple[bool, str]:
+        """(ready, reason): some engine replica generated a token within readiness_window_s."""
+        return await self.replica_health.ready(self.settings.readiness_window_s,
+                                               lambda: self.replica.stats.remote())
 
     # -- internals -----------------------------------------------------------------------------
     def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
@@ -265,9 +258,23 @@ class Ingress:
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return GenerateRequest(request_id, prompt.token_ids, params, prompt.text,
                                block_hashes(prompt.token_ids, info.block_size),
-                               self.channels.channel_id)
+                               self.channels.channel_id, request.priority)
 
-    async def _start(self, requests: list[GenerateRequest]) -> list[ReplicaStream]:
+    def _deadline(self) -> float | None:
+        timeout_s = self.settings.request_timeout_s
+        return time.monotonic() + timeout_s if timeout_s is not None else None
+
+    async def _within(self, awaitable, deadline: float | None):
+        """awaitable, or the request's timeout error once its deadline passes."""
+        if deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise errors.request_timeout(self.settings.request_timeout_s) from None
+
+    async def _start(self, requests: list[GenerateRequest], deadline: float | None = None
+                     ) -> list[ReplicaStream]:
         """Send every prompt to a replica and wait for each first delta (errors surface here)."""
         send = self.replica_stream.generate.remote
         calls = [functools.partial(send, r) for r in requests]
@@ -275,7 +282,11 @@ class Ingress:
             calls = [as_own_call(call, i) for i, call in enumerate(calls)]
         started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer)
                    for call, r in zip(calls, requests)]
-        results = await asyncio.gather(*(s.prime() for s in started), return_exceptions=True)
+        try:
+            results = await self._within(
+                asyncio.gather(*(s.prime() for s in started), return_exceptions=True), deadline)
+        except OpenAIError as exc:  # waited past the deadline, for a replica or in its queue
+            results = [exc]
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             for s in started:
@@ -297,9 +308,9 @@ class Ingress:
                                     formatter.num_cached_tokens, formatter.num_generated_tokens)
 
     async def _collected(self, formatter, merged, info: ModelInfo, started: float,
-                         replica_streams: list[ReplicaStream]):
+                         replica_streams: list[ReplicaStream], deadline: float | None = None):
         try:
-            return await formatter.collect(merged)
+            return await self._within(formatter.collect(merged), deadline)
         except BaseException:
             for s in replica_streams:
                 s.cancel()
@@ -308,11 +319,20 @@ class Ingress:
             self._record(formatter, info, started, replica_streams)
 
     async def _observed(self, chunks: AsyncIterator, formatter, info: ModelInfo, started: float,
-                        replica_streams: list[ReplicaStream]) -> AsyncIterator:
+                        replica_streams: list[ReplicaStream], deadline: float | None = None
+                        ) -> AsyncIterator:
         finished = False
         try:
-            async for chunk in chunks:
-                yield chunk
+            if deadline is None:
+                async for chunk in chunks:
+                    yield chunk
+            else:  # each chunk awaited under the deadline (a task per chunk: only when asked)
+                while True:
+                    try:
+                        chunk = await self._within(anext(chunks), deadline)
+                    except StopAsyncIteration:
+                        break
+                    yield chunk
             finished = True
         finally:
             if not finished:  # the client left or the stream failed: stop the engines' work

@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from serve_app import tool_calls
 
 
 def random_id(prefix: str) -> str:
@@ -37,7 +38,7 @@ class SamplingFields(_Request):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most the max_n setting (serve_app.limits)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -56,8 +57,13 @@ class SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    priority: int = 0  # under the engine's scheduling_policy=priority: lower is served first
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -107,7 +113,22 @@ class SamplingFields(_Request):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for, if any; ParamError naming the field otherwise."""
+        constraint = response_format_params(self.response_format)
+        if self.structured_outputs is not None:
+            if constraint is not None:
+                raise ParamError("structured_outputs",
+                                 "set structured_outputs or response_format, not both")
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.KINDS)
+            if unknown:
+                raise ParamError("structured_outputs", f"structured_outputs has unknown fields "
+                                 f"{sorted(unknown)}; known: {', '.join(StructuredOutputsParams.KINDS)}")
+            constraint = StructuredOutputsParams(**self.structured_outputs)
+        return constraint
 
     @property
     def include_usage(self) -> bool:
@@ -116,6 +137,25 @@ class SamplingFields(_Request):
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def response_format_params(response_format: dict | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format as a constraint: json_object, or json_schema's `schema`."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, source="response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ParamError("response_format",
+                             "response_format json_schema needs {'name': ..., 'schema': {...}}")
+        return StructuredOutputsParams(json=spec["schema"], source="response_format")
+    raise ParamError("response_format", f"response_format type must be text, json_object or "
+                     f"json_schema, got {kind!r}")
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -202,9 +242,11 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -218,7 +260,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs (ingress)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -235,13 +276,23 @@ class ChatCompletionRequest(SamplingFields):
     def _check_unsupported(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message requires add_generation_prompt to be false")
         return self
+
+    def tool_spec(self) -> tool_calls.ToolSpec | None:
+        """The checked tools and tool_choice (ParamError naming the field)."""
+        return tool_calls.tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format / structured_outputs, or the grammar of a required or named tool call."""
+        constraint = super().structured_outputs_params()
+        spec = self.tool_spec()
+        forced = tool_calls.tool_constraint(spec) if spec is not None else None
+        if forced is not None and constraint is not None:
+            raise ParamError("tool_choice", f"tool_choice {spec.mode!r} cannot be combined with "
+                             f"{constraint.source}")
+        return forced or constraint
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -262,17 +313,32 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -286,9 +352,28 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
+class _DropNone(_Response):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # OpenAI sends {"content": "..."} and a final {}
@@ -299,7 +384,7 @@ class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = None
 
 

@@ -11,10 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from replicas.deployment import ChannelRequest, EngineReplicaDead, ReplicaHello
+from replicas.errors import StepFailed
 from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from serve_app import errors
 from serve_app.errors import OpenAIError
+from serve_app.routing.replica_events import on_replica_lost
 from serve_app.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
@@ -34,19 +36,36 @@ class OutputChannels:
     (`ReplicaHello`), so that the channel is opened for the requests after it.
     """
 
-    def __init__(self, open_call: Callable[[ChannelRequest], Any] | None):
+    def __init__(self, open_call: Callable[[ChannelRequest], Any] | None, retry_after_s: int = 1):
         self.open_call = open_call  # None: channels off (a request router that cannot pin them)
         self.channel_id = uuid.uuid4().hex if open_call is not None else None
         self._queues: dict[str, OutputQueue] = {}
         self._tasks: dict[str, asyncio.Task] = {}  # engine replica id -> its channel's pump
         self._retry_at: dict[str, float] = {}
+        self._calls: dict[str, str] = {}  # Ray Serve's internal id of a call -> our request id
+        self.retry_after_s = retry_after_s
+        on_replica_lost(self._replica_lost)
 
     def register(self, request_id: str) -> OutputQueue:
         self._queues[request_id] = queue = OutputQueue()
         return queue
 
-    def unregister(self, request_id: str) -> None:
+    def unregister(self, request_id: str, call_id: str | None = None) -> None:
         self._queues.pop(request_id, None)
+        if call_id is not None:
+            self._calls.pop(call_id, None)
+
+    def track(self, call_id: str | None, request_id: str) -> None:
+        """The call carrying request_id: failed here if the router sees its replica die."""
+        if call_id:
+            self._calls[call_id] = request_id
+
+    def _replica_lost(self, replica_id: str, call_ids: set[str]) -> None:
+        for call_id in call_ids:
+            queue = self._queues.get(self._calls.pop(call_id, ""))
+            if queue is not None:
+                queue.put(errors.unavailable("the engine replica serving this request died",
+                                             self.retry_after_s))
 
     def met(self, replica_id: str) -> None:
         if self.open_call is None or replica_id in self._tasks \
@@ -95,12 +114,15 @@ class ReplicaStream:
         self.first: RequestOutput | None = None
         self.first_delta_time: float | None = None
         self.finished = False
+        self.call_id: str | None = None  # Ray Serve's internal request id of the call
         self._pump_task: asyncio.Task | None = None  # held: the loop keeps only weak references
         self.pacer = pacer or StreamPacer(0)
 
     async def prime(self) -> None:
         try:
             self.generator = self.send()
+            self.call_id = _current_call_id()
+            self.channels.track(self.call_id, self.request_id)
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
             self.first = await self.queue.get()
         except BaseException as exc:
@@ -129,7 +151,7 @@ class ReplicaStream:
         if self.finished:
             return
         self.finished = True
-        self.channels.unregister(self.request_id)
+        self.channels.unregister(self.request_id, self.call_id)
         if self.generator is None:
             return
         if self.first_delta_time is not None:
@@ -139,7 +161,7 @@ class ReplicaStream:
 
     def _done(self) -> None:
         self.finished = True
-        self.channels.unregister(self.request_id)
+        self.channels.unregister(self.request_id, self.call_id)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         output, self.first = self.first, None
@@ -179,6 +201,8 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
     cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
     if isinstance(cause, BackPressureError):
         return errors.overloaded(retry_after_s)
+    if isinstance(cause, StepFailed):  # this request's step failed; the engine serves on
+        return OpenAIError(str(cause), 500, code="engine_step_failed")
     if isinstance(cause, EngineReplicaDead):
         mark_dead(cause.replica_id)
         return errors.unavailable(f"the engine failed: {cause}", retry_after_s)
@@ -188,6 +212,12 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
         return errors.bad_request(str(cause), getattr(cause, "param", None))
     logger.error("unexpected error from an engine replica: %r", exc)
     return errors.internal_error(cause)
+
+
+def _current_call_id() -> str | None:
+    """The internal request id Ray Serve gives the call just made from this task."""
+    from ray.serve import context
+    return context._get_serve_request_context()._internal_request_id or None
 
 
 def as_own_call(send: Callable[[], Any], index: int) -> Callable[[], Any]:

@@ -15,6 +15,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from replicas.deployment import ChannelRequest
+from serve_app.routing import replica_events
 from serve_app.routing.metrics import RoutingMetrics
 from serve_app.routing.policy import RoutingSettings
 from serve_app.routing.router_state import RouterState
@@ -55,6 +56,10 @@ class PrefixAffinityRouter(RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "state"):
             self._observe(replicas)
+        replica_events.replicas_seen(
+            self._deployment_id.app_name, self._deployment_id.name,
+            [(r.replica_id.unique_id, (r.routing_stats or {}).get("last_generation_time"))
+             for r in replicas])
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -91,9 +96,16 @@ class PrefixAffinityRouter(RequestRouter):
                           result: Any) -> None:
         if pinned_replica(pending_request) is not None:  # a channel, not a routing decision
             return
-        reason = self.state.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
+        request_id = pending_request.metadata.internal_request_id
+        replica_events.routed(request_id, replica_id.unique_id)
+        reason = self.state.routed(request_id, replica_id.unique_id)
         self.metrics.record_decision(reason)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        replica_events.completed(internal_request_id)
         if hasattr(self, "state"):
             self.state.completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        replica_events.replica_died(replica_id.unique_id)

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from kernels import kv_cache_bytes_per_block, kv_cache_shape
-from replicas.model_loader import cpu_has_native_bf16, iterate_weights, load_model, weight_files
+from kernels.cpu_features import has_native_bf16
+from replicas.model_loader import iterate_weights, load_model, weight_files
 from replicas.models import LlamaForCausalLM
 
 
@@ -39,7 +40,7 @@ def test_iterate_weights_streams_every_tensor_once(tiny_model_dir):
 @pytest.mark.parametrize("name, dtype, expected", [
     ("llama", "auto", torch.float32),
     # auto keeps bf16 only where the CPU computes it natively (AVX2-only: fp32 is ~60x faster)
-    ("llama_bf16", "auto", torch.bfloat16 if cpu_has_native_bf16() else torch.float32),
+    ("llama_bf16", "auto", torch.bfloat16 if has_native_bf16() else torch.float32),
     ("llama_bf16", "bfloat16", torch.bfloat16),
     ("llama_bf16", "float32", torch.float32),
     ("llama", "float16", torch.float16),

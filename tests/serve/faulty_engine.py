@@ -1,29 +1,46 @@
-"""The real AsyncEngine with one injectable fault: once the file named by PAGEDSERVE_FAULT_FILE
-exists, the engine's step raises a few steps later (the file is consumed), so its background loop
-dies the way a device failure or a bug would kill it."""
+"""The real AsyncEngine with injectable faults. Once the file named by PAGEDSERVE_FAULT_FILE
+exists, it is consumed and, a few steps later, its contents choose the fault:
+
+- "die" (or empty): every forward pass from then on raises, as a broken device would: the first
+  failed step fails its requests, the second in a row stops the engine loop.
+- "once": one forward pass raises, as a bad batch would: its requests fail, the rest go on.
+- "stall": the forward pass hangs, as a wedged device would: the engine has work and makes no steps.
+"""
 from __future__ import annotations
 
 import os
+import threading
 
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 
 STEPS_BEFORE_FAULT = 3
+STALL_S = 600.0
 
 
 class FaultyEngine(AsyncEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        step = self.engine.step
+        runner = self.engine.runner
+        execute = runner.execute
         fault_file = os.environ.get("PAGEDSERVE_FAULT_FILE", "")
-        fire_at: list[int] = []
+        armed: dict = {}  # "at": the step the fault fires at, "mode": which fault
+        never = threading.Event()
 
-        def faulty_step():
-            if not fire_at and fault_file and os.path.exists(fault_file):
+        def faulty_execute(scheduler_output):
+            if not armed and fault_file and os.path.exists(fault_file):
+                with open(fault_file) as f:
+                    mode = f.read().strip() or "die"
                 os.remove(fault_file)
-                fire_at.append(self.engine.num_steps + STEPS_BEFORE_FAULT)
-            if fire_at and self.engine.num_steps >= fire_at[0]:
-                raise RuntimeError("injected engine fault")
-            return step()
+                armed.update(at=self.engine.num_steps + STEPS_BEFORE_FAULT, mode=mode)
+            if armed and self.engine.num_steps >= armed["at"]:
+                if armed["mode"] == "stall":
+                    never.wait(STALL_S)
+                elif armed["mode"] == "once":
+                    armed.clear()
+                    raise RuntimeError("injected step fault")
+                else:
+                    raise RuntimeError("injected engine fault")
+            return execute(scheduler_output)
 
-        self.engine.step = faulty_step
+        runner.execute = faulty_execute

@@ -11,12 +11,20 @@ STEP_DELAY_S = 0.005
 
 
 class SlowEngine(AsyncEngine):
+    step_delay_s = STEP_DELAY_S
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         step = self.engine.step
 
         def slow_step():
-            time.sleep(STEP_DELAY_S)  # in the engine's step thread, like a slow forward
+            time.sleep(self.step_delay_s)  # in the engine's step thread, like a slow forward
             return step()
 
         self.engine.step = slow_step
+
+
+class VerySlowEngine(SlowEngine):
+    """100 ms a step: 240 tokens take about 24 s, longer than Ray Serve's default drain (20 s)."""
+
+    step_delay_s = 0.1

@@ -33,7 +33,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
     ("/v1/chat/completions", {**CHAT, "unknown_field": 1}, "unknown_field"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, None),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"99999": 1}}, None),
     ("/v1/chat/completions", {**CHAT, "presence_penalty": -3}, "presence_penalty"),
@@ -76,7 +76,8 @@ def test_unknown_model_and_route_are_404(http):
     assert_error(http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"}), 404,
                  param="model", code="model_not_found")
     assert_error(http.get("/v1/models/gpt-17"), 404, code="model_not_found")
-    assert_error(http.post("/v1/embeddings", json={"input": "x"}), 404)
+    # A generating model without pooling serves no embeddings: a 400 that says so.
+    assert_error(http.post("/v1/embeddings", json={"input": "x"}), 400, code="model_not_supported")
     assert_error(http.get("/nowhere"), 404)
     assert http.get(f"/v1/models/{MODEL_NAME}").json()["id"] == MODEL_NAME
 

@@ -1,5 +1,5 @@
 from replicas.block_hash import block_hashes, hash_block, ROOT_HASH
-from replicas.block_manager import BlockManager
+from replicas.block_manager import NULL_BLOCK, BlockManager, kv_window_of
 from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
@@ -158,3 +158,152 @@ def test_the_evictions_of_one_allocation_are_one_event():
     admit(bm, seq(range(50, 59)))  # 3 blocks: evicts a's last three
     h = a.block_hashes
     assert bm.kv_events.since(1)[0] == BlockRemoved([h[3], h[2], h[1]])
+
+
+# -- sliding windows ----------------------------------------------------------------------------
+W = 6  # with BS 4: a query at position p reads p-5..p, so at most 3 blocks (2 when aligned)
+
+
+def windowed(num_blocks=16, caching=True):
+    return BlockManager(num_blocks, BS, enable_prefix_caching=caching, sliding_window=W)
+
+
+def step(bm, s, num_new=1):
+    """One step of seq s: allocate num_new tokens' slots, then count them computed."""
+    assert bm.allocate_slots(s, num_new)
+    s.num_computed_tokens += num_new
+    while s.num_tokens < s.num_computed_tokens + 1:
+        s.append_token(200 + s.num_tokens)
+
+
+def held(bm, s):
+    return [b for b in s.block_table if b != NULL_BLOCK]
+
+
+def test_kv_window_of_layers():
+    assert kv_window_of(None) is None and kv_window_of([]) is None
+    assert kv_window_of([4096, 4096]) == 4096
+    assert kv_window_of([512, 1024]) == 1024  # a block is dropped only once every layer is past it
+    assert kv_window_of([4096, None]) is None  # a full-attention layer reads everything
+
+
+def test_null_block_is_reserved():
+    bm = windowed(num_blocks=8)
+    assert NULL_BLOCK not in bm.free_queue and bm.num_blocks == 7 == bm.num_free_blocks
+    a = seq(range(10))
+    admit(bm, a)
+    assert a.block_table == [1, 2, 3] and abs(bm.usage - 3 / 7) < 1e-12
+
+
+def test_blocks_outside_the_window_are_dropped():
+    bm = windowed()
+    a = seq(range(10))  # positions 0..9 computed
+    admit(bm, a)
+    step(bm, a)  # computes position 10, which reads 5..10: block 0 (0..3) goes
+    assert a.block_table == [NULL_BLOCK, 2, 3]
+    assert bm.blocks[1].ref_count == 0 and list(bm.free_queue)[-1] == 1  # cached, at the LRU tail
+    assert bm.cached[a.block_hashes[0]] == 1  # still a valid cache entry
+    step(bm, a)  # position 11 reads 6..11: block 1 (4..7) stays
+    assert a.block_table == [NULL_BLOCK, 2, 3]
+    step(bm, a)  # position 12 reads 7..12: still block 1; a new block for 12..15
+    step(bm, a)  # position 13 reads 8..13: block 1 goes
+    assert a.block_table == [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    bm.free(a)
+    assert bm.num_free_blocks == bm.num_blocks and NULL_BLOCK not in bm.free_queue
+    assert bm.blocks[NULL_BLOCK].ref_count == 1 and bm.blocks[NULL_BLOCK].block_hash is None
+
+
+def test_a_long_generation_holds_bounded_blocks():
+    bm = windowed(num_blocks=5)  # 4 usable blocks: 400 tokens would need 100 without the window
+    a = seq(range(7))
+    admit(bm, a)
+    most = 0
+    for _ in range(400):
+        step(bm, a)
+        most = max(most, len(held(bm, a)))
+        assert bm.num_blocks - bm.num_free_blocks == len(held(bm, a))
+    assert a.num_computed_tokens == 407 and len(a.block_table) == 102
+    assert most <= bm.max_blocks_held(a.num_tokens, 1) == 3
+    bm.free(a)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_chunked_prefill_drops_as_it_goes():
+    bm = windowed(num_blocks=5)
+    a = seq(range(40))
+    for _ in range(5):
+        step(bm, a, 8)  # chunks of 8: computed 8, 16, ...
+        assert len(held(bm, a)) <= bm.max_blocks_held(40, 8) == 4
+    # The last chunk (32..39) reads from 27 on: blocks 0..5 went, at the start of each step.
+    assert a.block_table[:6] == [NULL_BLOCK] * 6 and NULL_BLOCK not in a.block_table[6:]
+    assert len(a.block_table) == 10
+
+
+def test_max_blocks_held():
+    bm, plain = windowed(), BlockManager(16, BS)
+    assert plain.max_blocks_held(1000, 1) == 250
+    assert bm.max_blocks_held(1000, 1) == 3 and bm.max_blocks_held(1000, 16) == 6
+    assert bm.max_blocks_held(5, 16) == 2  # never more than the whole sequence
+
+
+def test_windowed_hit_needs_only_the_window():
+    bm = windowed(num_blocks=32)
+    prompt = list(range(21))  # 5 full blocks
+    a = seq(prompt)
+    admit(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    # Evict the prefix's first three blocks: a plain cache would now miss it entirely.
+    for i in range(3):
+        del bm.cached[a.block_hashes[i]]
+    b = seq(prompt)
+    blocks, cached = bm.get_computed_blocks(b)
+    # 20 tokens hit: the query at 20 reads 15..20, i.e. blocks 3 and 4 only.
+    assert cached == 20 and blocks == [NULL_BLOCK] * 3 + table[3:5]
+    assert bm.allocate_slots(b, 1, blocks)
+    b.num_computed_tokens = 21
+    assert b.block_table[:3] == [NULL_BLOCK] * 3 and bm.num_dropped[b.seq_id] == 3
+    assert bm.blocks[NULL_BLOCK].block_hash is None and NULL_BLOCK not in bm.free_queue
+    step(bm, b)
+    bm.free(b)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_hit_must_reach_back_to_the_window():
+    bm = windowed(num_blocks=32)
+    prompt = list(range(21))
+    a = seq(prompt)
+    admit(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    del bm.cached[a.block_hashes[3]]  # inside the window of position 20
+    blocks, cached = bm.get_computed_blocks(seq(prompt))
+    # The run 4.. is too short; the longest usable prefix is blocks 0..2 (12 tokens), whose
+    # first query (12) reads 7..12: blocks 1 and 2.
+    assert cached == 12 and blocks == [NULL_BLOCK, table[1], table[2]]
+
+
+def test_dropped_then_reused_blocks_never_hit():
+    """A sequence's dropped block may be evicted and rewritten by another sequence: the cache
+    must then miss it, not hand the new contents to a request with the old prefix."""
+    bm = windowed(num_blocks=5)  # 4 usable
+    a = seq(range(8))  # blocks 1, 2
+    admit(bm, a)
+    for _ in range(6):
+        step(bm, a)  # position 13 drops block 0 (1) and block 1 (2): both cached and free
+    assert a.block_table[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert list(bm.free_queue) == [1, 2]  # a's dropped blocks, still cached
+    c = seq(range(100, 107))  # needs two blocks: evicts both and writes its own tokens there
+    admit(bm, c)
+    assert c.block_table == [1, 2]
+    b = seq(list(range(8)) + [5])  # a's prefix: its window at 8 reads 3..8, blocks 0 and 1
+    assert bm.get_computed_blocks(b) == ([], 0)
+
+
+def test_windowed_slot_usage_counts_held_blocks():
+    bm = windowed()
+    a = seq(range(16))
+    admit(bm, a)
+    step(bm, a)  # position 16 reads 11..16: blocks 0 and 1 dropped; 2, 3 and a new one held
+    bm.record_slot_usage([a])
+    assert bm.num_slots_allocated == 3 * BS and bm.num_slots_used == 17 - 2 * BS

@@ -161,7 +161,7 @@ class FakeEngine:
     def __init__(self):
         self.receivers, self.aborted = {}, []
 
-    def add_request(self, request_id, prompt, params, on_output):
+    def add_request(self, request_id, prompt, params, on_output, priority=0):
         self.receivers[request_id] = on_output
 
     def abort_nowait(self, request_id):

@@ -36,7 +36,8 @@ def test_first_digest_snapshots_cached_hashes_including_free_ones():
     snapshot = KVSnapshot(1, block_hashes(list(range(10)), BS))
     assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
                       "kv_events": wire_stream(1, [], snapshot), "num_waiting": 2,
-                      "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
+                      "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5,
+                      "last_generation_time": None}
 
 
 def test_later_digests_carry_events_not_the_cache():

@@ -153,3 +153,32 @@ def test_control_plane_imports_neither_torch_nor_ray():
             "replicas.block_hash; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sliding_window_generations_run_in_a_small_pool():
+    # Two 300-token generations would need 80 blocks each; with a window of 6 each holds <= 3.
+    bm = BlockManager(7, BS, sliding_window=6)  # 6 usable blocks
+    sched = Scheduler(bm, 8, 16, 10_000)
+    a, b = seq(10, max_tokens=300), seq(7, max_tokens=300, start=50)
+    sched.add(a), sched.add(b)
+    for _ in range(400):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        for s in (a, b):
+            if not s.is_finished:
+                assert sum(block != 0 for block in s.block_table) <= bm.max_blocks_held(s.num_tokens, 16)
+        sched.update(out, [7] * sum(s.samples for s in out.scheduled))
+    assert a.num_output_tokens == b.num_output_tokens == 300 and sched.num_preemptions == 0
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_dropped == {}
+
+
+def test_sliding_window_preemption_recomputes_from_scratch():
+    bm = BlockManager(5, BS, sliding_window=6)  # 4 usable: two sequences of 3 cannot both fit
+    sched = Scheduler(bm, 8, 16, 10_000)
+    a, b = seq(3, max_tokens=40), seq(3, max_tokens=40, start=50)  # one block each to start
+    sched.add(a), sched.add(b)
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0
+    assert a.num_output_tokens == b.num_output_tokens == 40
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_dropped == {}

@@ -1,0 +1,124 @@
+"""EncoderEngine: embeddings from an encoder checkpoint (BERT family), one packed batch per call.
+
+No KV cache and no scheduler: an encoder sees each text whole, in one forward pass, so a batch is
+just the sequences that fit the token budget (`max_num_batched_tokens`, `max_num_seqs`), packed
+without padding. Knows nothing of Ray or asyncio: the offline `LLM.embed` drives it directly,
+`AsyncEncoderEngine` from a batching loop.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from replicas.config import EngineConfig
+from replicas.model_loader import load_model, resolve_device
+from replicas.pooling import PoolingConfig, pool
+from replicas.sampling_params import ParamError
+
+logger = logging.getLogger(__name__)
+
+EmbedInput = str | list[int]
+
+
+def sentence_transformers_max_len(model_dir: str | Path) -> int | None:
+    """The max_seq_length a sentence-transformers directory was trained and is used with."""
+    path = Path(model_dir) / "sentence_bert_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("max_seq_length")
+
+
+class EncoderEngine:
+    """embed(inputs) -> float32 [len(inputs), hidden]; inputs are texts or token-id lists."""
+
+    tasks = ("embed",)
+
+    def __init__(self, config: EngineConfig, model_dir: str):
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model, self.hf_config, self.dtype = load_model(
+            model_dir, dtype=config.dtype, device=str(self.device))
+        self.vocab_size = self.hf_config.vocab_size
+        limits = [self.model.max_context_len, config.max_model_len,
+                  sentence_transformers_max_len(model_dir)]
+        self.max_model_len = min(limit for limit in limits if limit)
+        self.pooling = PoolingConfig.from_model_dir(model_dir)
+        self.model_name = config.served_model_name or config.model or Path(model_dir).name
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        # A sequence is never split across batches: the budget holds at least one whole one.
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+
+    def tokenize(self, inputs: list[EmbedInput]) -> list[list[int]]:
+        """Texts (special tokens added, as sentence-transformers does) and token-id lists ->
+        checked token ids; a ParamError names `input` for an empty, over-long or bad one."""
+        texts = [i for i, item in enumerate(inputs) if isinstance(item, str)]
+        encoded = self.tokenizer([inputs[i] for i in texts])["input_ids"] if texts else []
+        token_ids = [list(item) if not isinstance(item, str) else None for item in inputs]
+        for i, ids in zip(texts, encoded):
+            token_ids[i] = ids
+        for ids in token_ids:
+            self.check(ids)
+        return token_ids
+
+    def check(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ParamError("input", "an input is empty: it must contain at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ParamError("input", f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens. However, an input has {len(token_ids)} tokens. Please reduce "
+                             "the length of the input.")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ParamError("input", f"token ids must be in [0, {self.vocab_size})")
+
+    def batches(self, token_ids: list[list[int]]) -> list[tuple[int, int]]:
+        """[start, end) ranges of consecutive sequences that fit one forward pass each."""
+        ranges, start, num_tokens = [], 0, 0
+        for i, ids in enumerate(token_ids):
+            if i > start and (num_tokens + len(ids) > self.max_num_batched_tokens
+                              or i - start >= self.max_num_seqs):
+                ranges.append((start, i))
+                start, num_tokens = i, 0
+            num_tokens += len(ids)
+        if start < len(token_ids):
+            ranges.append((start, len(token_ids)))
+        return ranges
+
+    def embed(self, inputs: list[EmbedInput]) -> np.ndarray:
+        token_ids = self.tokenize(inputs)
+        parts = [self.embed_batch(token_ids[s:e]) for s, e in self.batches(token_ids)]
+        return np.concatenate(parts) if parts else np.zeros((0, self.model.hidden_size), np.float32)
+
+    @torch.inference_mode()
+    def embed_batch(self, token_ids: list[list[int]]) -> np.ndarray:
+        """Checked token ids of one batch -> [len(token_ids), hidden] float32 embeddings."""
+        lengths = np.fromiter((len(ids) for ids in token_ids), dtype=np.int64, count=len(token_ids))
+        seq_starts = np.zeros(len(token_ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=seq_starts[1:])
+        num_tokens = int(seq_starts[-1])
+        flat = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=num_tokens)
+        positions = np.arange(num_tokens) - np.repeat(seq_starts[:-1], lengths)
+        device = self.device
+        starts = seq_starts.tolist()
+        hidden = self.model(torch.from_numpy(flat).to(device), torch.from_numpy(positions).to(device),
+                            starts)
+        self.num_steps += 1
+        self.num_prompt_tokens += num_tokens
+        return pool(hidden, starts, self.pooling).cpu().numpy()
+
+    def stats(self) -> dict:
+        return {"num_waiting": 0, "num_running": 0, "num_requests": 0, "kv_cache_usage": 0.0,
+                "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_steps": self.num_steps,
+                "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": 0}

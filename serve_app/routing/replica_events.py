@@ -1,0 +1,50 @@
+"""What the request router sees happen to the engine replicas, for the rest of its process: when
+each last generated a token (readiness) and which calls were in flight on a replica that died.
+
+Module state, not router state, because Ray Serve ships the router class to the ingress by value:
+the class's own module globals are a private copy, while a module it imports, like this one, is
+the process's one instance that the ingress imports too.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+# (app, deployment) -> {replica id: wall clock of its engine's last sampled token, or None}
+_last_generation: dict[tuple[str, str], dict[str, float | None]] = {}
+# Handle calls in flight: Ray Serve's internal request id -> replica id. A streaming call to a
+# replica that was killed does not always end (seen under load with Ray Serve 2.60), so the
+# ingress fails those calls itself when the router learns of the death.
+_in_flight: dict[str, str] = {}
+_lost_listeners: list[Callable[[str, set[str]], None]] = []
+
+
+def replicas_seen(app_name: str, deployment: str,
+                  last_generation: Iterable[tuple[str, float | None]]) -> None:
+    _last_generation[(app_name, deployment)] = dict(last_generation)
+
+
+def last_generation_times(app_name: str, deployment: str) -> dict[str, float | None] | None:
+    """Per live replica, when it last generated; None when no router of ours has seen any."""
+    return _last_generation.get((app_name, deployment))
+
+
+def routed(call_id: str, replica_id: str) -> None:
+    if call_id:
+        _in_flight[call_id] = replica_id
+
+
+def completed(call_id: str) -> None:
+    _in_flight.pop(call_id, None)
+
+
+def replica_died(replica_id: str) -> None:
+    lost = {call for call, replica in _in_flight.items() if replica == replica_id}
+    for call in lost:
+        del _in_flight[call]
+    for listener in _lost_listeners:
+        listener(replica_id, lost)
+
+
+def on_replica_lost(listener: Callable[[str, set[str]], None]) -> None:
+    """listener(replica id, internal ids of the calls in flight on it) when it dies."""
+    _lost_listeners.append(listener)
