@@ -17,7 +17,7 @@ import pytest
 
 from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long
 
 APP = "drain"
 PREFIX = "/drain"

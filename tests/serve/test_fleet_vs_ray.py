@@ -72,7 +72,7 @@ def simulated_hit_rate(prompts: list[list[int]]) -> float:
     return sum(o.cached_tokens) / sum(o.prompt_tokens)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_simulated_replicas_hit_like_the_real_app(fleetcmp_app):
     prompts = workload_prompts()
     usages = asyncio.run(run(fleetcmp_app, prompts, concurrency=1, max_tokens=MAX_TOKENS,

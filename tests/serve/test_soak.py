@@ -10,7 +10,7 @@ import pytest
 
 from tests.serve.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long
 
 
 def test_one_minute_soak_passes():
