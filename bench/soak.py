@@ -8,7 +8,7 @@ whole chat completions, n=2 with logprobs, streams cancelled mid-way, and bad re
 when every request ended with a response or a clean OpenAI-shaped error, no 5xx came but for the
 requests in flight on the killed replica, every replica holds zero KV blocks and zero requests at
 idle, and no serving process grew its RSS by more than 5 % after warm-up (the first fifth of the
-run). Writes bench/results/soak.json; exits 1 when a check fails.
+run, at least 30 s). Writes bench/results/soak.json; exits 1 when a check fails.
 """
 from __future__ import annotations
 
@@ -193,8 +193,10 @@ def rss_growth(samples: dict[int, list[tuple[float, float]]], names: dict, warm_
     """RSS at the end vs after warm-up, per process; one started late (the killed replica's
     successor) warms up for own_warm_up_s from when it was first seen."""
     growth = {}
+    first_round = min((points[0][0] for points in samples.values()), default=0.0)
     for pid, points in samples.items():
-        warm = max(warm_until, points[0][0] + own_warm_up_s)
+        late = points[0][0] > first_round + SAMPLE_EVERY_S
+        warm = max(warm_until, points[0][0] + own_warm_up_s) if late else warm_until
         after = [v for t, v in points if t >= warm]
         if len(after) >= 2:
             growth[f"{names[pid]}[{pid}]"] = {"warm_mb": round(after[0], 1),
@@ -255,7 +257,10 @@ def main() -> None:
                                                            and soak.allowed_5xx(o))]
     server_errors = [o for o in outcomes if o.status and o.status >= 500]
     stray_5xx = [o for o in server_errors if not soak.allowed_5xx(o)]
-    growth = rss_growth(samples, names, began + duration / 5, own_warm_up_s=duration / 5)
+    # Warm-up: a fifth of the run, at least half a minute of a short one; a process started later
+    # (the killed replica's successor) warms up a minute from when it was first seen (loading).
+    warm_up_s = max(duration / 5, min(duration / 2, 30.0))
+    growth = rss_growth(samples, names, began + warm_up_s, own_warm_up_s=max(warm_up_s, 60.0))
     grew = {k: v for k, v in growth.items() if v["growth"] > RSS_GROWTH_LIMIT}
     leaked = [s for s in idle if s["num_requests"] or s["kv_blocks_free"] != s["kv_blocks_total"]]
     checks = {"every request ended cleanly": not unclean,
