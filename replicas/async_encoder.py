@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class AsyncEncoderEngine:
         self._error: BaseException | None = None
         self._num_running = 0
         self._in_flight: list[_Pending] = []
+        # Wall-clock time a batch was last embedded (readiness: it really computes).
+        self.last_generation_time: float | None = None
 
     # -- public -------------------------------------------------------------------------------
     async def embed(self, token_ids: list[list[int]]) -> np.ndarray:
@@ -97,6 +100,7 @@ class AsyncEncoderEngine:
         stats["num_waiting"] = sum(len(p.token_ids) - p.next_row for p in self._queue)
         stats["num_running"] = self._num_running
         stats["healthy"] = self.is_healthy()
+        stats["last_generation_time"] = self.last_generation_time
         return stats
 
     def is_healthy(self) -> bool:
@@ -144,6 +148,7 @@ class AsyncEncoderEngine:
                                                       token_ids)
                 finally:
                     self._num_running = 0
+                self.last_generation_time = time.time()
                 self._deliver(batch, rows)
                 self._in_flight = []
         except asyncio.CancelledError:

@@ -41,10 +41,14 @@ class ReadinessProbe:
         return last is None or self.clock() - last >= self.interval_s
 
     async def probe_once(self) -> None:
+        """A one-token generation, or for an embedding-only engine a one-token embedding."""
         request_id = f"readiness-probe-{next(self._ids)}"
         try:
-            async for _ in self.engine.generate(self.prompt, PROBE_PARAMS, request_id):
-                pass
+            if "generate" in getattr(self.engine, "tasks", ("generate",)):
+                async for _ in self.engine.generate(self.prompt, PROBE_PARAMS, request_id):
+                    pass
+            else:
+                await self.engine.embed([self.prompt])
         except Exception as exc:  # noqa: BLE001 - a failed probe is what readiness reports
             logger.warning("readiness probe failed: %r", exc)
 

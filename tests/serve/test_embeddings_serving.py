@@ -165,3 +165,10 @@ def test_a_chat_model_with_pooling_serves_both(cluster, tiny_model_dir, offline_
         assert served["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in texts)
     finally:
         serve.delete("pooling")
+
+
+def test_an_encoder_deployment_becomes_ready(embed_http):
+    from tests.serve.conftest import wait_for
+    ready = wait_for(lambda: (r := embed_http.get("/health/ready")).status_code == 200 and r, 60,
+                     0.5, "/health/ready 200 on an embedding-only app")
+    assert "generated within" in ready.json()["detail"]
