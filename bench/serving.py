@@ -78,20 +78,12 @@ class Server:
 
 
 def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
-    """`serve run` of a config file holding `serve_app:app` and its args (the way to set the port)."""
-    config = {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": "pagedserve", "route_prefix": "/", "import_path": "serve_app:app",
-            "args": {"model": model_dir, "dtype": args.dtype, "num_replicas": args.replicas,
-                     "num_threads": args.threads // args.replicas,
-                     "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_memory_gb": args.kv_cache_gb},
-        }],
-    }
-    config_path = workdir / "serve_config.json"  # JSON is YAML
-    config_path.write_text(json.dumps(config))
+    """`serve run serve_app:app key=value ...`, as the README serves."""
+    settings = {"model": model_dir, "dtype": args.dtype, "num_replicas": args.replicas,
+                "num_threads": args.threads // args.replicas, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "kv_cache_memory_gb": args.kv_cache_gb, "host": "127.0.0.1", "port": port,
+                "direct_http": args.pagedserve_http == "direct"}
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     # A Ray instance of its own: a private temp dir hides any cluster started with `ray start`.
@@ -99,7 +91,9 @@ def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     (workdir / "ray").mkdir()
     serve = Path(sys.executable).parent / "serve"
-    return Server("pagedserve", [str(serve), "run", str(config_path)], env, port, workdir / "pagedserve.log")
+    return Server("pagedserve", [str(serve), "run", "serve_app:app",
+                                 *(f"{key}={value}" for key, value in settings.items())],
+                  env, port, workdir / "pagedserve.log")
 
 
 def vllm_server(args, model_dir: str, port: int, workdir: Path) -> Server:
@@ -176,7 +170,7 @@ def run_system(args, system: str, model_dir: str, workdir: Path) -> dict:
             print(f"  {label:>9}: {r['request_throughput']:6.2f} req/s {r['output_throughput']:8.1f} out tok/s  "
                   f"TTFT p50 {r['p50_ttft_ms']:8.1f} p99 {r['p99_ttft_ms']:8.1f}  "
                   f"TPOT p50 {r['p50_tpot_ms']:7.1f}  ITL p50 {r['p50_itl_ms']:7.1f} "
-                  f"p99 {r['p99_itl_ms']:7.1f} ms  rejected/failed {r['failed']}/{r['num_prompts']}",
+                  f"p99 {r['p99_itl_ms']:7.1f} ms  failed {r['failed']} of {r['num_prompts']}",
                   flush=True)
     return results
 
@@ -254,6 +248,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1,
                         help="pagedserve engine replicas, sharing --threads between them")
     parser.add_argument("--systems", default="pagedserve,vllm")
+    parser.add_argument("--pagedserve-http", choices=("direct", "proxy"), default="direct",
+                        help="pagedserve's HTTP from its ingress replicas, or Ray Serve's proxy")
     parser.add_argument("--backend", default="openai-chat", choices=["openai-chat", "openai"])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-warmups", type=int, default=2)

@@ -2,7 +2,8 @@
 
 The same seeded requests (token-id prompts, greedy, `ignore_eos`, fixed output lengths) run
 through `LLM.generate` in a subprocess, and as 32 concurrent streaming `/v1/completions` calls to
-the Ray Serve app (proxy -> ingress -> engine replicas) started in this process. Rounds alternate
+the Ray Serve app (ingress -> engine replicas; `--http proxy`: Ray Serve's proxy in front) started
+in this process. Rounds alternate
 (offline, serving, offline, ...) so load from other processes falls on both; each round has new
 prompts (no prefix-cache hits from an earlier round); the best round of each counts. Prints output tokens/s for both and the ratio (goal >= 0.9); writes JSON.
 
@@ -126,11 +127,11 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         await stream_one(client, model, requests[0][0][:16], 4)  # warm-up
-        cpu_before = serving_cpu_seconds()
+        cpu_before, client_before = serving_cpu_seconds(), time.process_time()
         start = time.perf_counter()
         results = await asyncio.gather(*(gated(client, p, n) for p, n in requests))
         seconds = time.perf_counter() - start
-        cpu_after = serving_cpu_seconds()
+        cpu_after, client_cpu_s = serving_cpu_seconds(), time.process_time() - client_before
         cpu_by_process = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
         cpu_seconds = sum(cpu_by_process.values())
     ttfts = sorted(r[2] for r in results)
@@ -140,6 +141,8 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
     per_token = 1e6 / max(output_tokens, 1)
     return {"seconds": seconds, "output_tokens": output_tokens, "cpu_seconds": cpu_seconds,
             "cpu_us_per_token": cpu_seconds * per_token,
+            # The load generator shares the machine: what it takes, the servers cannot have.
+            "client_cpu_us_per_token": client_cpu_s * per_token,
             "cpu_us_per_token_by_process": {name: round(s * per_token, 1) for name, s in
                                             sorted(cpu_by_process.items(), key=lambda kv: -kv[1])
                                             if s * per_token >= 1},
@@ -165,6 +168,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--http", choices=("direct", "proxy"), default="direct",
+                        help="HTTP served by the ingress replicas (the default) or Ray Serve's proxy")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a serving setting for the app (serve_app/config.py), repeatable")
     parser.add_argument("--seed", type=int, default=0)
@@ -185,16 +190,18 @@ def main() -> None:
 
     from replicas.default_model import resolve_model
     from serve_app import build_app
+    from serve_app.app import start_serve
+    from serve_app.config import ServeSettings
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     ray.init(num_cpus=max(2, args.replicas * args.threads), include_dashboard=False, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     began = time.perf_counter()
-    settings = dict(item.split("=", 1) for item in args.set)
-    serve.run(build_app({**settings, "model": args.model, "num_replicas": args.replicas,
-                         "replica_num_cpus": args.threads, **engine_args(args, args.threads)}),
-              name="pagedserve", route_prefix="/")
+    settings = ServeSettings.from_args({
+        **dict(item.split("=", 1) for item in args.set), "model": args.model,
+        "num_replicas": args.replicas, "replica_num_cpus": args.threads, "host": "127.0.0.1",
+        "port": port, "direct_http": args.http == "direct", **engine_args(args, args.threads)})
+    serve.run(build_app(start_serve(settings)), name="pagedserve", route_prefix="/")
     deploy_s = time.perf_counter() - began
     import httpx
     model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).json()["data"][0]["id"]
@@ -224,11 +231,12 @@ def main() -> None:
     ratio = serving["tokens_per_s"] / offline["tokens_per_s"]
     print(f"offline LLM.generate ({args.offline_threads} thread(s)): {offline['tokens_per_s']:8.1f} "
           f"output tok/s ({offline['output_tokens']} tokens in {offline['seconds']:.1f}s)")
-    print(f"HTTP, {args.num_requests} requests, {args.concurrency} streams at once, {args.replicas} replica(s) x {args.threads} thread(s): "
+    print(f"HTTP ({args.http}), {args.num_requests} requests, {args.concurrency} streams at once, {args.replicas} replica(s) x {args.threads} thread(s): "
           f"{serving['tokens_per_s']:8.1f} output tok/s ({serving['output_tokens']} tokens in "
           f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s, "
           f"ITL p50 {1e3 * (serving['itl_p50_s'] or 0):.1f}ms, "
-          f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token, "
+          f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token "
+          f"(+{serving['client_cpu_us_per_token']:.0f} us in the load generator), "
           f"{serving['tokens_per_event']:.1f} tokens per event)")
     print("  serving CPU per token, by process:", ", ".join(
         f"{name} {us:.0f} us" for name, us in serving["cpu_us_per_token_by_process"].items()))

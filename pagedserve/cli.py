@@ -60,11 +60,11 @@ def run_serve(args: dict[str, Any], name: str, address: str | None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import build_app, checked_settings
+    from serve_app.app import build_app, checked_settings, start_serve
 
     try:  # every bad setting fails here, before Ray starts (ValidationError is a ValueError)
         settings = checked_settings(args)
-        application = build_app(settings)
+        build_app(settings)
     except ValueError as exc:
         usage_error(f"pagedserve serve: {exc}")
 
@@ -75,8 +75,8 @@ def run_serve(args: dict[str, Any], name: str, address: str | None) -> int:
     try:
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(application, name=name, route_prefix="/", blocking=False)
+        settings = start_serve(settings)
+        serve.run(build_app(settings), name=name, route_prefix="/", blocking=False)
         model = settings.engine.served_model_name or settings.engine.model or "the default model"
         print(f"pagedserve: serving {model} at http://{settings.host}:{settings.port}/v1 "
               f"(application {name!r}; Ctrl-C stops it)", flush=True)

@@ -55,7 +55,11 @@ def render() -> str:
     pending = [f"`{name}`" for flag in flags.VLLM_FLAGS if flag.setting not in known
                for name in flag.vllm if name.startswith("--")]
     refused = [f"`{name}` ({why})" for name, why in flags.UNSUPPORTED_VLLM_FLAGS.items()]
-    lines += [f"vLLM flags accepted at one value: {'; '.join(pinned)}.", ""]
+    always = [f"`{name}` (" + (f"only `{value}`: " if value else "") + f"{why})"
+              for name, (value, why) in flags.ALWAYS_ON_VLLM_FLAGS.items()]
+    lines += [f"vLLM flags accepted at one value: {'; '.join(pinned)}.", "",
+              f"vLLM flags for what pagedserve always does (accepted, nothing to set): "
+              f"{'; '.join(always)}.", ""]
     if pending:
         lines += [f"vLLM flags for features not in this version (refused): {', '.join(pending)}.",
                   ""]

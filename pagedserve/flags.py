@@ -97,6 +97,12 @@ PINNED_VLLM_FLAGS: dict[tuple[str, ...], tuple[int, str]] = {
         1, "one engine runs per device; scale out with --num-replicas"),
 }
 
+# vLLM flags for what pagedserve always does: accepted (a switch, or only the value given), ignored.
+ALWAYS_ON_VLLM_FLAGS: dict[str, tuple[str | None, str]] = {
+    "--enable-auto-tool-choice": (None, 'tool_choice "auto" is always available'),
+    "--tool-call-parser": ("hermes", "calls are read as Hermes-style <tool_call> blocks or JSON"),
+}
+
 # vLLM flags people often carry over, and what to do instead. Any other unknown flag gets a
 # generic one-line refusal.
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
@@ -113,13 +119,11 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--cpu-offload-gb": "weights stay on the replica's device",
     "--speculative-config": "speculative decoding is not implemented",
     "--distributed-executor-backend": "each replica is one Ray actor; scale with --num-replicas",
-    "--enable-auto-tool-choice": "tool calling is not implemented",
-    "--tool-call-parser": "tool calling is not implemented",
     "--reasoning-parser": "reasoning parsers are not implemented",
     "--disable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",
     "--enable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",
     "--disable-log-stats": "stats go to Prometheus (GET /metrics), not to the log",
-    "--uvicorn-log-level": "Ray Serve's proxy serves HTTP; set RAY_SERVE_LOG_LEVEL instead",
+    "--uvicorn-log-level": "the HTTP server logs warnings only; set RAY_SERVE_LOG_LEVEL instead",
     "--ssl-keyfile": "terminate TLS in front of Ray Serve (an ingress or load balancer)",
     "--ssl-certfile": "terminate TLS in front of Ray Serve (an ingress or load balancer)",
     "--root-path": "Ray Serve's http_options.root_path in a config file does this",
@@ -174,11 +178,13 @@ MEANINGS: dict[str, str] = {
     "engine_stall_timeout_s": "A replica with work that has not stepped this long reports unhealthy",
     "graceful_shutdown_timeout_s": "Seconds a stopping replica drains in-flight requests",
     "access_log": "Ray Serve's per-request access log lines",
-    "host": "Address Ray Serve's HTTP proxy listens on (0.0.0.0: every interface)",
-    "port": "Port of Ray Serve's HTTP proxy",
+    "host": "Address the HTTP API listens on (0.0.0.0: every interface)",
+    "port": "Port of the HTTP API",
+    "direct_http": "Ingress replicas serve HTTP themselves, no Ray Serve proxy; none: where "
+                   "pagedserve starts Serve",
     "num_ingress_replicas": "Ingress (HTTP front) replicas",
     "ingress_num_cpus": "Ray CPUs per ingress replica",
-    "ingress_max_ongoing_requests": "Requests one ingress replica takes at once",
+    "ingress_max_ongoing_requests": "Requests one ingress replica takes at once (503 beyond)",
     "output_channels": "Stream outputs over one channel per ingress and engine replica",
     "max_stream_events_per_s": "SSE events per second per ingress; none: measured; 0: no pacing",
     "max_stream_delay_s": "Longest pacing holds back a stream's tokens",

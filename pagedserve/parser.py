@@ -97,6 +97,16 @@ def add_pinned(parser: argparse.ArgumentParser) -> None:
                             metavar="N", help=f"vLLM's; only {value} ({why})")
 
 
+def add_always_on(parser: argparse.ArgumentParser) -> None:
+    for name, (value, why) in flags.ALWAYS_ON_VLLM_FLAGS.items():
+        if value is None:
+            parser.add_argument(name, action="store_true", default=argparse.SUPPRESS,
+                                dest=pinned_dest((name,)), help=f"vLLM's; always on ({why})")
+        else:
+            parser.add_argument(name, default=argparse.SUPPRESS, dest=pinned_dest((name,)),
+                                metavar="NAME", help=f"vLLM's; only {value} ({why})")
+
+
 def pinned_dest(names: tuple[str, ...]) -> str:
     return "pinned_" + names[0].lstrip("-").replace("-", "_")
 
@@ -108,6 +118,10 @@ def settings_args(ns: argparse.Namespace, settings: list[Setting]) -> dict[str, 
         if given.get(pinned_dest(names), value) != value:
             usage_error(f"pagedserve: {names[0]} {given[pinned_dest(names)]} is not supported: "
                         f"{why}")
+    for name, (value, why) in flags.ALWAYS_ON_VLLM_FLAGS.items():
+        if value is not None and given.get(pinned_dest((name,)), value) != value:
+            usage_error(f"pagedserve: {name} {given[pinned_dest((name,))]} is not supported: "
+                        f"only {value} ({why})")
     args = {s.name: given[s.name] for s in settings if s.name in given}
     model_tag = given.get("model_tag")
     if model_tag is not None:
@@ -155,6 +169,7 @@ def build_parser(settings: list[Setting]) -> Parser:
     serve.add_argument("--address", default=None,
                        help="Ray cluster to join (auto, or host:port); default: a new local one")
     add_pinned(serve)
+    add_always_on(serve)
     add_settings(serve, settings)
     engine_only = [s for s in settings if s.layer == "engine"]
     for name, what in (("generate", "complete prompts offline (no server)"),

@@ -38,7 +38,7 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
         max_queued_requests=settings.max_queued_requests,
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,
-        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=settings.drain_s,
         logging_config={"enable_access_log": settings.access_log},
         ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus,
                            "runtime_env": {"env_vars": REPLICA_ENV}},
@@ -63,11 +63,6 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
                 initial_replicas=initial_replicas,
                 target_queue_depth=settings.target_queue_depth, **delays)
         options["autoscaling_config"] = autoscaling
-        if "graceful_shutdown_timeout_s" not in settings.model_fields_set:
-            # A replica scaled down drains its in-flight requests: give long generations time.
-            options["graceful_shutdown_timeout_s"] = max(
-                settings.graceful_shutdown_timeout_s,
-                queue_depth_autoscaling.DEFAULTS["graceful_shutdown_timeout_s"])
     else:
         options["num_replicas"] = settings.num_replicas
     router = settings.request_router_class or DEFAULT_REQUEST_ROUTER
@@ -82,11 +77,9 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def ingress_options(settings: ServeSettings) -> dict[str, Any]:
-    # An ingress replica that stops holds streams too: it drains at least as long as the engine's.
-    drain_s = replica_options(settings)["graceful_shutdown_timeout_s"]
     return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
                 max_ongoing_requests=settings.ingress_max_ongoing_requests,
-                graceful_shutdown_timeout_s=drain_s,
+                graceful_shutdown_timeout_s=settings.drain_s,
                 logging_config={"enable_access_log": settings.access_log},
                 ray_actor_options={"num_cpus": settings.ingress_num_cpus,
                                    "runtime_env": {"env_vars": REPLICA_ENV}})
@@ -105,8 +98,7 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
 
 def app(args: dict[str, str]) -> Application:
     """Application builder for `serve run serve_app:app key=value ...` and config files."""
-    settings = checked_settings(args)
-    start_serve_for_serve_run(settings)
+    settings = start_serve_for_serve_run(checked_settings(args))
     return build_app(settings)
 
 
@@ -118,28 +110,42 @@ def checked_settings(args: dict[str, Any]) -> ServeSettings:
     return settings
 
 
-def start_serve_for_serve_run(settings: ServeSettings) -> None:
-    """Honour `host`/`port` under `serve run serve_app:app port=...`.
+def start_serve(settings: ServeSettings) -> ServeSettings:
+    """Start Ray Serve for these settings (Ray must be up); the settings with direct_http decided.
+
+    Direct HTTP (the default here): the ingress replicas serve host:port and Serve runs no proxy.
+    Otherwise Serve's proxy listens on host:port.
+    """
+    direct = settings.direct_http is not False
+    if direct:
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+    return settings.model_copy(update={"direct_http": direct})
+
+
+def start_serve_for_serve_run(settings: ServeSettings) -> ServeSettings:
+    """Under `serve run serve_app:app ...`: start Ray and Serve here, as `serve run` would.
 
     `serve run <import path>` calls this builder before it starts Ray, then starts Serve with
-    Ray's default HTTP options, which a running proxy keeps. So when they are given, the builder
-    starts Ray as `serve run` would (its address, namespace and runtime env, read from its own
-    command line) and Serve with them; `serve run` then finds both running and deploys onto them.
+    Ray's default HTTP options, which a running Serve keeps. So the builder starts Ray as `serve
+    run` would (its address, namespace and runtime env, read from its own command line) and Serve
+    for the settings (`start_serve`); `serve run` then finds both running and deploys onto them.
+    Anywhere else (a config file, a program) Serve is someone else's to start: settings as given.
     """
-    http_options = {key: getattr(settings, key) for key in ("host", "port")
-                    if key in settings.model_fields_set}
-    if not http_options:
-        return
     import click
     import ray
 
     context = click.get_current_context(silent=True)
     callback = getattr(context.command, "callback", None) if context else None
-    if ray.is_initialized() or getattr(callback, "__module__", "") != "ray.serve.scripts":
-        logger.warning("host/port settings take effect where pagedserve starts Ray Serve "
-                       "(`pagedserve serve`, `serve run serve_app:app`); here Serve's own "
-                       "http_options apply")
-        return
+    if getattr(callback, "__module__", "") != "ray.serve.scripts":
+        return settings
+    if ray.is_initialized():
+        if {"host", "port", "direct_http"} & settings.model_fields_set:
+            logger.warning("host/port/direct_http take effect where pagedserve starts Ray Serve "
+                           "(`pagedserve serve`, `serve run serve_app:app`); here Serve's own "
+                           "http_options apply")
+        return settings
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
     from ray.serve._private.constants import SERVE_NAMESPACE
 
@@ -148,4 +154,8 @@ def start_serve_for_serve_run(settings: ServeSettings) -> None:
              runtime_env=parse_runtime_env_args(runtime_env=params.get("runtime_env"),
                                                 runtime_env_json=params.get("runtime_env_json"),
                                                 working_dir=params.get("working_dir")))
-    serve.start(http_options=http_options)
+    settings = start_serve(settings)
+    if settings.direct_http:
+        print(f"pagedserve: the OpenAI API will be at http://{settings.host}:{settings.port}/v1",
+              flush=True)
+    return settings

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from replicas.config import EngineConfig
+from serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
 from serve_app.limits import RequestLimits
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
@@ -51,6 +52,11 @@ class IngressSettings(BaseModel):
     readiness_window_s: float
     request_timeout_s: float | None
     limits: RequestLimits
+    # The ingress replicas' own HTTP server (serve_app/front_door.py); port None: none, HTTP comes
+    # through Ray Serve's proxy.
+    http_host: str
+    http_port: int | None
+    max_ongoing_requests: int
 
 
 class ServeSettings(RequestLimits):
@@ -93,11 +99,15 @@ class ServeSettings(RequestLimits):
     # Ray Serve's per-request access log lines (off: logs stay quiet, and a line per call costs CPU).
     access_log: bool = False
 
-    # Where Ray Serve's HTTP proxy listens (Ray Serve's own defaults). The proxy starts before any
-    # application, so these apply where pagedserve starts Serve: `pagedserve serve`, and
-    # `serve run serve_app:app host=... port=...`. A config file sets its `http_options` instead.
+    # The public HTTP address. With direct_http the ingress replicas serve it themselves (every
+    # ingress replica on a node shares the port), so a streamed token crosses no Ray hop between
+    # the ingress and the client; without, Ray Serve's proxy listens there. None: direct where
+    # pagedserve starts Ray Serve (`pagedserve serve`, `serve run serve_app:app`; Serve then runs
+    # no proxy), through the proxy elsewhere (a config file's `http_options`, or a program's own
+    # `serve.start`, place the proxy).
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    direct_http: bool | None = None
 
     # Ingress.
     num_ingress_replicas: int = Field(1, ge=1)
@@ -166,8 +176,20 @@ class ServeSettings(RequestLimits):
                                max_stream_delay_s=self.max_stream_delay_s,
                                readiness_window_s=self.readiness_window_s,
                                request_timeout_s=self.request_timeout_s,
+                               http_host=self.host,
+                               http_port=self.port if self.direct_http else None,
+                               max_ongoing_requests=self.ingress_max_ongoing_requests,
                                limits=RequestLimits.model_validate(
                                    {k: getattr(self, k) for k in RequestLimits.model_fields}))
+
+    @property
+    def drain_s(self) -> float:
+        """How long a stopping replica (engine or ingress: both hold streams) drains."""
+        if self.autoscaling and "graceful_shutdown_timeout_s" not in self.model_fields_set:
+            # A replica scaled down drains its in-flight requests: give long generations time.
+            return max(self.graceful_shutdown_timeout_s,
+                       AUTOSCALING_DEFAULTS["graceful_shutdown_timeout_s"])
+        return self.graceful_shutdown_timeout_s
 
     @property
     def replica_ongoing_limit(self) -> int:

@@ -64,6 +64,15 @@ class Ingress:
         # Fetch the model's facts and tokenizer in the background: the first request then finds
         # them ready (a failure here is retried by the first request that needs them).
         self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_model_info())
+        self.front_door = None
+        if self.settings.http_port is not None:  # last: serve HTTP only once built
+            from serve_app.front_door import HTTPFrontDoor
+            from serve_app.http import build_http_app
+            self.front_door = HTTPFrontDoor(build_http_app(self), self.settings.http_host,
+                                            self.settings.http_port,
+                                            self.settings.max_ongoing_requests,
+                                            self.settings.retry_after_s, _application_id())
+            await self.front_door.start()
 
     def model_name(self) -> str:
         return self._info.name if self._info is not None else ""
@@ -71,6 +80,20 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         from serve_app.http import build_http_app
         return build_http_app(self)
+
+    async def __del__(self):
+        """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP server."""
+        front_door = getattr(self, "front_door", None)  # None: the constructor did not finish
+        if front_door is None:
+            return
+        from serve_app.front_door import END_STREAMS_S
+
+        config = serve.get_replica_context()._deployment_config
+        # Ray Serve's drain of handle calls took at least one of its wait loops of the budget.
+        left_s = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
+        await front_door.drain(left_s - END_STREAMS_S, lambda: self.channels.fail_all(
+            errors.unavailable("the server is shutting down; retry the request",
+                               self.settings.retry_after_s)))
 
     # -- model -------------------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -339,6 +362,17 @@ class Ingress:
                 for s in replica_streams:
                     s.cancel()
             self._record(formatter, info, started, replica_streams)
+
+
+def _application_id() -> str:
+    """This Serve application, cluster-wide: the ingress replicas that may share a port (hashed:
+    anyone who can reach the port may read it)."""
+    import hashlib
+
+    import ray
+
+    name = f"{ray.get_runtime_context().gcs_address}/{serve.get_replica_context().app_name}"
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def _parse(model_cls, request):

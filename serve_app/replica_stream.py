@@ -67,6 +67,11 @@ class OutputChannels:
                 queue.put(errors.unavailable("the engine replica serving this request died",
                                              self.retry_after_s))
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request this ingress waits on with `error` (its stream sends it as an event)."""
+        for queue in list(self._queues.values()):
+            queue.put(error)
+
     def met(self, replica_id: str) -> None:
         if self.open_call is None or replica_id in self._tasks \
                 or time.monotonic() < self._retry_at.get(replica_id, 0.0):

@@ -1,16 +1,17 @@
 """StreamPacer: one ingress replica's budget of server-sent events, shared by its open streams.
 
-Every event costs the ingress and Ray's proxy a Ray message (a few hundred microseconds of CPU
-each on a small CPU, nearly all of it in Ray's core worker, whatever the event holds), so with
-many streams the serving path, not the engine, would set the pace. A stream whose previous event
-left less than `open streams / events_per_s` ago (and never more than `max_delay_s`) waits out
-the rest, then sends everything that piled up as one event; a lone stream, or one slower than its
-share, never waits.
+Every event costs the ingress a socket write (and, through Ray Serve's proxy, a Ray message each
+to the proxy and from it: a few hundred microseconds of CPU on a small CPU, whatever the event
+holds), so with many streams the serving path, not the engine, could set the pace. A stream whose
+previous event left less than `open streams / events_per_s` ago (and never more than
+`max_delay_s`) waits out the rest, then sends everything that piled up as one event; a lone
+stream, or one slower than its share, never waits.
 
 The budget is measured, not guessed (unless `events_per_s` is given): each window, this process's
-CPU time per event sent, and the events per second that keep it at `cpu_share` of a core. A fast
-machine gets a large budget (no waiting), a small one a tight one; an idle ingress keeps its last
-estimate.
+CPU time per event sent, and the events per second that keep it at `cpu_share` of a core. It
+holds streams back only while the ingress really uses that share (and until it falls below
+RELEASE of it): below, waiting would add latency and save nothing. A fast machine gets a large
+budget, a small one a tight one; an idle ingress keeps its last estimate.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ INITIAL_EVENTS_PER_S = 4000.0  # until the first window has measured the cost
 MIN_EVENTS_PER_S = 100.0
 MAX_EVENTS_PER_S = 100_000.0
 CPU_SHARE = 0.5  # of one core, for this ingress replica's streams
+RELEASE = 0.8  # pacing, once on, stays on until the ingress uses less than this much of its share
 # The longest a stream ever waits (the default): under it a reader sees a steady stream.
 MAX_DELAY_S = 0.02
 WINDOW_S = 1.0
@@ -36,13 +38,14 @@ class StreamPacer:
         self.max_delay_s = max_delay_s
         self.cpu_share = cpu_share
         self.num_streams = 0
+        self.pacing = not self.adaptive  # an adaptive pacer waits for its first measure
         self._clock, self._cpu_clock = clock, cpu_clock
         self._window_start, self._window_cpu = clock(), cpu_clock()
         self._window_events = 0
 
     def interval_s(self) -> float:
         """How long a stream waits after its previous event before the next."""
-        if not self.events_per_s:
+        if not self.events_per_s or not self.pacing:
             return 0.0
         return min(self.num_streams / self.events_per_s, self.max_delay_s)
 
@@ -56,7 +59,10 @@ class StreamPacer:
             return
         cpu = self._cpu_clock()
         if self._window_events >= MIN_EVENTS_PER_WINDOW:
-            cpu_per_event = max((cpu - self._window_cpu) / self._window_events, 1e-9)
+            cpu_used = cpu - self._window_cpu
+            cpu_per_event = max(cpu_used / self._window_events, 1e-9)
             self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
                                     MAX_EVENTS_PER_S)
+            usage = cpu_used / (now - self._window_start)  # cores
+            self.pacing = usage >= self.cpu_share * (RELEASE if self.pacing else 1.0)
         self._window_start, self._window_cpu, self._window_events = now, cpu, 0

@@ -34,6 +34,11 @@ def test_vllm_flags_build_the_same_settings_as_serve_run_arguments():
     assert from_flags.model_fields_set == from_serve_run.model_fields_set
 
 
+def test_vllm_tool_call_flags_are_accepted_and_set_nothing():
+    # `vllm serve M --enable-auto-tool-choice --tool-call-parser hermes` works unchanged.
+    assert parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == parse([])
+
+
 def test_unset_flags_leave_the_settings_defaults():
     assert parse([]) == {}
     assert ServeSettings.from_args(parse([]), env={}) == ServeSettings.from_args({}, env={})
@@ -72,6 +77,7 @@ def test_kv_cache_memory_refuses_a_number_that_looks_like_gib():
     (["--swap-space", "4"], ["--swap-space", "not supported"]),
     (["--no-such-flag=3"], ["unknown flag --no-such-flag"]),
     (["--tensor-parallel-size", "2"], ["--tensor-parallel-size 2", "--num-replicas"]),
+    (["--tool-call-parser", "mistral"], ["--tool-call-parser mistral", "only hermes"]),
     (["--max-num-seqs", "zero"], ["--max-num-seqs", "integer"]),
     (["--max-num-seqs"], ["--max-num-seqs", "expected one argument"]),
     (["--num-replicas", "0"], ["num_replicas"]),

@@ -1,7 +1,9 @@
 """One local Ray cluster per test session, the main app deployed once, tiny models built here.
 
-The main app ("pagedserve", 2 engine replicas, API keys on) serves most tests; tests that break
-replicas or need tiny queue limits deploy their own app next to it under another route prefix.
+The main app ("pagedserve", 2 engine replicas, API keys on) serves most tests over its ingress's
+own HTTP server (direct_http, as `serve run serve_app:app` serves); tests that break replicas or
+need tiny queue limits deploy their own app next to it under another route prefix, reached
+through Ray Serve's proxy (`cluster.base_url`).
 """
 from __future__ import annotations
 
@@ -71,10 +73,12 @@ def deploy(settings: dict, name: str, route_prefix: str):
 
 @pytest.fixture(scope="session")
 def app(cluster, tiny_model_dir):
-    """The main application: 2 replicas of the tiny model, keys required."""
+    """The main application: 2 replicas of the tiny model, keys required, HTTP from the ingress."""
+    port = free_port()
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5, api_keys=API_KEY,
-                health_check_period_s=1.0, **ENGINE_ARGS), "pagedserve", "/")
-    return SimpleNamespace(base_url=cluster.base_url, name="pagedserve", cluster=cluster)
+                health_check_period_s=1.0, direct_http=True, port=port, **ENGINE_ARGS),
+           "pagedserve", "/")
+    return SimpleNamespace(base_url=f"http://127.0.0.1:{port}", name="pagedserve", cluster=cluster)
 
 
 @pytest.fixture(scope="session")

@@ -88,13 +88,15 @@ def smoke(base: str, model: str | None = None) -> str:
 def test_serve_run_import_path_with_overrides(tiny_model_dir):
     from bench.common import free_port
 
-    port = free_port()  # the `port` setting moves the proxy (serve_app.app.start_serve_for_serve_run)
+    port = free_port()  # the ingress serves `port` itself (serve_app.app.start_serve_for_serve_run)
     proc = serve_run(["serve_app:app", f"model={tiny_model_dir}", "served_model_name=tiny-cli",
                       "num_kv_blocks=128", "max_num_seqs=8", "num_replicas=1", f"port={port}"])
     try:
         startup_s = wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", 180)
         print(f"serve run: first 200 after {startup_s:.1f}s")
         smoke(f"http://127.0.0.1:{port}", "tiny-cli")
+        # Ray Serve's proxy would list its routes here: the port is the ingress's own server.
+        assert httpx.get(f"http://127.0.0.1:{port}/-/routes").status_code == 404
     finally:
         code = stop(proc)
     assert code in STOPPED_CODES

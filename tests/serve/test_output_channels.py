@@ -2,6 +2,7 @@
 
 The app here paces as hard as it can (max_stream_delay_s between a stream's events), so every stream
 carries several tokens per event; its engine is slowed so that a replica can be killed mid-stream.
+It serves HTTP from its ingress (direct_http), the path `serve run serve_app:app` takes.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import httpx
 import pytest
 
+from bench.common import free_port
 from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, deploy, replica_stats, wait_for
 
 APP = "channels"
@@ -19,10 +21,11 @@ PREFIX = "/channels"
 
 @pytest.fixture(scope="module")
 def coalesced(cluster, tiny_model_dir):
+    port = free_port()
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5,
-                max_stream_events_per_s=1, health_check_period_s=1.0,
+                max_stream_events_per_s=1, health_check_period_s=1.0, direct_http=True, port=port,
                 engine_class="tests.serve.slow_engine:SlowEngine", **ENGINE_ARGS), APP, PREFIX)
-    yield f"{cluster.base_url}{PREFIX}"
+    yield f"http://127.0.0.1:{port}"
     from ray import serve
     serve.delete(APP)
 

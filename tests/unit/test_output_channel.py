@@ -138,6 +138,29 @@ def test_an_adaptive_pacer_budgets_events_by_their_measured_cpu_cost():
     assert fixed.events_per_s == 250 and not fixed.adaptive
 
 
+def test_an_adaptive_pacer_holds_streams_back_only_while_the_ingress_uses_its_share():
+    clock = {"ms": 0, "cpu": 0.0}  # whole milliseconds: each second closes a window exactly
+    pacer = StreamPacer(cpu_share=0.5, clock=lambda: clock["ms"] / 1000,
+                        cpu_clock=lambda: clock["cpu"])
+    pacer.num_streams = 32
+
+    def second(cores: float):  # 1000 events in a second, using this much CPU
+        for _ in range(1000):
+            clock["ms"] += 1
+            clock["cpu"] += 0.001 * cores
+            pacer.sent()
+
+    assert pacer.interval_s() == 0  # nothing measured yet
+    second(0.3)
+    assert pacer.interval_s() == 0, "below its share, waiting would only add latency"
+    second(0.6)
+    assert pacer.pacing and pacer.interval_s() == pytest.approx(min(32 / pacer.events_per_s, 0.02))
+    second(0.45)  # paced, a little under the share: stays paced (no flapping at the edge)
+    assert pacer.pacing
+    second(0.3)
+    assert not pacer.pacing and pacer.interval_s() == 0
+
+
 def test_a_consumer_that_leaves_early_cancels_the_call():
     call = FakeCall([delta("r", c) for c in "abcdef"])
 
