@@ -18,6 +18,7 @@ from serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequ
                                 CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
                                 DeltaMessage, DeltaToolCall, FunctionCall, ToolCall, random_id)
 from serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
+from serve_app.tool_call_parser import CallStart, Content, Event, ToolCallParser
 
 Merged = AsyncIterator[tuple[int, RequestOutput]]
 
@@ -146,8 +147,6 @@ class ChatFormatter(_Formatter):
         super().__init__(request, info, request_id, 1, sse)
         self.logprobs = LogprobFormatter(info.tokenizer, request.top_logprobs or 0)
         self.tools = tools if tools is not None and tools.mode != "none" else None
-        if self.tools is not None:
-            self.sse = False
 
     def _message(self, choice: ChoiceState) -> tuple[AssistantMessage, str | None]:
         """The message of a finished choice, and its finish reason ("tool_calls" for calls)."""
@@ -212,56 +211,48 @@ class ChatFormatter(_Formatter):
             yield self._chunk([], usage(self.states))
 
     async def _stream_tools(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse]:
-        """A named function's arguments stream as they come; other calls are sent whole once
-        the choice ends, and text that cannot be a call ("auto") streams as content."""
-        state, named = self.states[0], self.tools.mode == "named"
-        held = [""] * self.n  # text not sent yet, while it may be a call
-        as_text = [False] * self.n  # "auto" chose plain text
+        """Calls stream as OpenAI's do: a call's id and name once they are known, then its
+        arguments as they are generated; in "auto", text streams as content until a call starts."""
+        state = self.states[0]
+        parsers = [ToolCallParser(self.tools) for _ in range(self.n)]
         role_sent = False
         async for _, delta in merged:
             state.add(delta)
             if not role_sent:
                 role_sent = True
+                content = None if self.tools.constrained else ""
                 for i in range(self.n):
-                    yield self._delta(i, DeltaMessage(role="assistant", content=None if named else ""))
-                    if named:
-                        yield self._calls(i, [tool_calls.Call(self.tools.named, "")])
+                    yield self._delta(i, DeltaMessage(role="assistant", content=content))
             for cd in delta.outputs:
                 i = cd.index
-                if cd.text and named:
-                    yield self._delta(i, DeltaMessage(tool_calls=[DeltaToolCall(
-                        index=0, function=DeltaFunctionCall(arguments=cd.text))]))
-                elif cd.text:
-                    held[i] += cd.text
-                    if as_text[i] or (self.tools.mode == "auto" and not tool_calls.might_be_call(held[i])):
-                        as_text[i] = True
-                        yield self._delta(i, DeltaMessage(content=held[i]))
-                        held[i] = ""
+                for chunk in self._tool_chunks(i, parsers[i].feed(cd.text)):
+                    yield chunk
                 if cd.finish_reason is None:
                     continue
+                for chunk in self._tool_chunks(i, parsers[i].finish()):
+                    yield chunk
                 finish_reason = cd.finish_reason
-                if named:
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-                elif not as_text[i]:
-                    content, calls = tool_calls.parse_calls(state.choices[i].text, self.tools)
-                    if calls:
-                        if content:
-                            yield self._delta(i, DeltaMessage(content=content))
-                        yield self._calls(i, calls)
-                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-                    elif held[i]:
-                        yield self._delta(i, DeltaMessage(content=held[i]))
+                if parsers[i].calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
                 yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(),
                                                     finish_reason=finish_reason,
                                                     stop_reason=cd.stop_reason)])
         if self.request.include_usage:
             yield self._chunk([], usage(self.states))
 
+    def _tool_chunks(self, index: int, events: list[Event]):
+        for event in events:
+            if isinstance(event, Content):
+                yield self._text_event(index, event.text) if self.sse else \
+                    self._delta(index, DeltaMessage(content=event.text))
+                continue
+            if isinstance(event, CallStart):
+                call = DeltaToolCall(index=event.index, id=random_id("call"), type="function",
+                                     function=DeltaFunctionCall(name=event.name, arguments=""))
+            else:
+                call = DeltaToolCall(index=event.index,
+                                     function=DeltaFunctionCall(arguments=event.text))
+            yield self._delta(index, DeltaMessage(tool_calls=[call]))
+
     def _delta(self, index: int, delta: DeltaMessage) -> ChatCompletionStreamResponse:
         return self._chunk([ChatStreamChoice(index=index, delta=delta)])
-
-    def _calls(self, index: int, calls: list[tool_calls.Call]) -> ChatCompletionStreamResponse:
-        return self._delta(index, DeltaMessage(tool_calls=[
-            DeltaToolCall(index=k, id=random_id("call"), type="function",
-                          function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
-            for k, c in enumerate(calls)]))

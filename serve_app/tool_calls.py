@@ -3,27 +3,27 @@ messages a chat template sees, and reading calls back out of the generated text.
 
 `tool_choice` "required" constrains the output to a JSON array of {"name", "arguments"} calls,
 each matching its function's parameters schema; a named function constrains it to that
-function's arguments object. "auto" leaves the model free and parses a call where it wrote one:
+function's arguments object. "auto" leaves the model free and reads a call where it wrote one:
 Hermes-style `<tool_call>{...}</tool_call>` blocks, or the whole text as a JSON call (or list of
-calls) `{"name": ..., "arguments": {...}}` ("parameters" is read too, Llama 3's key).
+calls) `{"name": ..., "arguments": {...}}`. Whole answers and streams are read by one incremental
+parser (serve_app/tool_call_parser.py), so both give the same calls.
 A template that knows nothing of tools is given them in a system message, in that format.
 """
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from replicas.sampling_params import ParamError, StructuredOutputsParams
+from serve_app.tool_call_parser import ToolCallParser
 
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 ANY_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
 class Call:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text, as the model wrote it
 
 
 @dataclass(frozen=True)
@@ -94,53 +94,13 @@ def tool_constraint(spec: ToolSpec) -> StructuredOutputsParams | None:
 
 
 def parse_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[Call]]:
-    """(content left over, calls) from a finished completion's text."""
-    if spec.mode == "named":
-        return None, [Call(spec.named, text)]
+    """(content left over, calls) from a finished completion's text: what a stream of it sends."""
     if spec.mode == "none":
         return text, []
-    if spec.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []  # cut off by max_tokens: no complete call
-        return None, [Call(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
-                      for i in items]
-    blocks = _TOOL_CALL_BLOCK.findall(text)
-    if blocks:
-        calls = [c for block in blocks for c in _read_calls(block, spec)]
-        if calls:
-            content = text[:text.find("<tool_call>")].strip()
-            return content or None, calls
-        return text, []
-    calls = _read_calls(text.strip(), spec)
-    return (None, calls) if calls else (text, [])
-
-
-def might_be_call(text: str) -> bool:
-    """Whether streamed text may still turn into a tool call (so it is held back for now)."""
-    head = text.lstrip()
-    return not head or head[0] in "{[" or "<tool_call>".startswith(head[:11])
-
-
-def _read_calls(text: str, spec: ToolSpec) -> list[Call]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in spec.functions:
-            return []
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return []
-        calls.append(Call(item["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls
+    parser = ToolCallParser(spec)
+    parser.feed(text)
+    parser.finish()
+    return parser.content, [Call(name, arguments) for name, arguments in parser.calls]
 
 
 # -- what the chat template sees -----------------------------------------------------------------
