@@ -23,6 +23,9 @@ DIGEST_VERSION = 2  # 1 was a snapshot of up to 65,536 hashes in every digest
 # Above this KV-cache usage, running sequences start to count as queued: a nearly full cache admits
 # nothing new and starts preempting, so more replicas are needed before anything waits.
 KV_PRESSURE_START = 0.9
+# The keys of `autoscaling_stats`, which the autoscaling policy reads.
+QUEUE_DEPTH_METRIC = "queue_depth"
+BATCH_OCCUPANCY_METRIC = "batch_occupancy"
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +85,16 @@ class RoutingReporter:
 
 
 def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START) -> dict[str, float]:
-    """For `record_autoscaling_stats()`: Ray Serve window-averages each key per replica."""
-    depth = QueueDepth.from_stats(async_engine.stats())
-    return {"queue_depth": depth.autoscaling_depth(kv_pressure_start)}
+    """For `record_autoscaling_stats()`: Ray Serve window-averages each key per replica.
+
+    `batch_occupancy` (running sequences / max_num_seqs, where the engine's scheduler says its
+    max_num_seqs) is what a replica carries that is not queued: a fleet whose batches are full
+    but whose queues are empty must not scale down on its zero queue depth."""
+    stats = async_engine.stats()
+    depth = QueueDepth.from_stats(stats)
+    out = {QUEUE_DEPTH_METRIC: depth.autoscaling_depth(kv_pressure_start)}
+    scheduler = getattr(getattr(async_engine, "engine", None), "scheduler", None)
+    max_num_seqs = getattr(scheduler, "max_num_seqs", None)
+    if max_num_seqs:
+        out[BATCH_OCCUPANCY_METRIC] = min(1.0, depth.num_running / max_num_seqs)
+    return out

@@ -7,6 +7,11 @@ pressure, see `replicas.cache_digest`); Ray Serve averages it per replica over
 most `target_queue_depth` of that total; it gives one back only when the rest would hold the total
 with headroom (`downscale_ratio`), so the count does not flap at the boundary.
 
+Queue depth alone is 0 while nothing waits, however full the batches: a fleet that just keeps up
+would be scaled down, queue, scale up, and so on. So each replica also reports its
+`batch_occupancy` (running sequences / max_num_seqs), and the policy never gives back a replica
+unless the rest could run what runs now with their batches at most `downscale_ratio` full.
+
 Ray Serve wraps the policy with `upscale_delay_s` / `downscale_delay_s` (a change must be wanted
 that long before it happens), `min_replicas` / `max_replicas`, and the scaling factors. A replica
 being removed leaves the routers first, then drains its in-flight requests for up to
@@ -19,7 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-QUEUE_DEPTH_METRIC = "queue_depth"
+from replicas.cache_digest import BATCH_OCCUPANCY_METRIC, QUEUE_DEPTH_METRIC
+
 POLICY_PATH = "serve_app.autoscaling:QueueDepthPolicy"
 
 DEFAULTS = dict(
@@ -41,30 +47,44 @@ class QueueDepthPolicySettings(BaseModel):
 
 
 def desired_num_replicas(total_queue_depth: float, num_replicas: int, target_queue_depth: float,
-                         downscale_ratio: float = DEFAULTS["downscale_ratio"]) -> int:
-    """Up as soon as the average exceeds the target; down only with headroom to spare."""
+                         downscale_ratio: float = DEFAULTS["downscale_ratio"],
+                         total_occupancy: float = 0.0) -> int:
+    """Up as soon as the average queue exceeds the target; down only with headroom to spare, in
+    the queues and in the batches (total_occupancy: replicas' worth of full batches running)."""
     if total_queue_depth > target_queue_depth * num_replicas:
         return math.ceil(total_queue_depth / target_queue_depth)
-    return min(num_replicas, math.ceil(total_queue_depth / (target_queue_depth * downscale_ratio)))
+    by_queue = math.ceil(total_queue_depth / (target_queue_depth * downscale_ratio))
+    by_batches = math.ceil(total_occupancy / downscale_ratio - 1e-9)  # 1e-9: float noise of 0.8/0.8
+    return min(num_replicas, max(by_queue, by_batches))
+
+
+def _summed(ctx, metric: str) -> float:
+    per_replica = (ctx.aggregated_metrics or {}).get(metric, {})
+    return sum(float(per_replica.get(replica_id, 0.0)) for replica_id in ctx.running_replicas)
 
 
 def total_queue_depth(ctx) -> float:
     """Window-averaged queue depth summed over running replicas, plus requests queued in handles."""
-    per_replica = (ctx.aggregated_metrics or {}).get(QUEUE_DEPTH_METRIC, {})
-    total = sum(float(per_replica.get(replica_id, 0.0)) for replica_id in ctx.running_replicas)
-    return total + float(ctx.total_queued_requests or 0.0)
+    return _summed(ctx, QUEUE_DEPTH_METRIC) + float(ctx.total_queued_requests or 0.0)
+
+
+def total_occupancy(ctx) -> float:
+    """Window-averaged batch occupancy summed over running replicas: replicas' worth of running
+    sequences."""
+    return _summed(ctx, BATCH_OCCUPANCY_METRIC)
 
 
 def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
            downscale_ratio: float = DEFAULTS["downscale_ratio"]) -> tuple[int, dict[str, Any]]:
     """`fn(ctx) -> (num_replicas, state)`: Ray Serve's custom autoscaling policy signature."""
     depth = total_queue_depth(ctx)
+    occupancy = total_occupancy(ctx)
     num_replicas = desired_num_replicas(depth, ctx.current_num_replicas, target_queue_depth,
-                                        downscale_ratio)
+                                        downscale_ratio, occupancy)
     num_replicas = max(ctx.capacity_adjusted_min_replicas,
                        min(ctx.capacity_adjusted_max_replicas, num_replicas))
     state = dict(ctx.policy_state or {})
-    state.update(queue_depth=depth, desired_num_replicas=num_replicas)
+    state.update(queue_depth=depth, batch_occupancy=occupancy, desired_num_replicas=num_replicas)
     return num_replicas, state
 
 

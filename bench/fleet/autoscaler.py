@@ -1,6 +1,7 @@
 """Ray Serve's autoscaling loop around the real policy (`serve_app.autoscaling.QueueDepthPolicy`):
 replicas push `record_autoscaling_stats()` every `metrics_interval_s`; each control tick averages
-each replica's pushes over `look_back_period_s` into `ctx.aggregated_metrics`, calls the policy,
+each replica's pushes of each metric over `look_back_period_s` into `ctx.aggregated_metrics`
+(`{metric: {replica: mean}}`), calls the policy,
 and applies Ray's delay rule (a change must be wanted without a break for `upscale_delay_s` /
 `downscale_delay_s`, measured in time, as `ray.serve.autoscaling_policy._apply_delay_logic` does).
 """
@@ -10,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from serve_app.autoscaling import DEFAULTS, QUEUE_DEPTH_METRIC, QueueDepthPolicy
+from serve_app.autoscaling import DEFAULTS, QueueDepthPolicy
 
 
 @dataclass
@@ -31,7 +32,7 @@ class AutoscalerSettings:
 class Autoscaler:
     settings: AutoscalerSettings
     policy: QueueDepthPolicy = field(init=False)
-    samples: dict[str, deque] = field(default_factory=dict)  # replica -> (time, queue_depth)
+    samples: dict[str, deque] = field(default_factory=dict)  # replica -> (time, stats)
     policy_state: dict = field(default_factory=dict)
     wanted_since: float | None = None
     wanted_direction: int = 0
@@ -42,26 +43,28 @@ class Autoscaler:
 
     def push(self, replica_id: str, stats: dict[str, float], now: float) -> None:
         """A replica's `record_autoscaling_stats()`, as it reaches the controller."""
-        self.samples.setdefault(replica_id, deque()).append((now, stats[QUEUE_DEPTH_METRIC]))
+        self.samples.setdefault(replica_id, deque()).append((now, dict(stats)))
 
     def decide(self, now: float, running: list[str], target: int, queued: int) -> int:
         """The new target number of replicas (== target when nothing changes)."""
         horizon = now - self.settings.look_back_period_s
-        averaged = {}
+        averaged: dict[str, dict[str, float]] = {}
+        live = set(running)
         for replica_id in list(self.samples):
             window = self.samples[replica_id]
             while window and window[0][0] < horizon:
                 window.popleft()
-            if replica_id not in running:
+            if replica_id not in live:
                 if not window:
                     del self.samples[replica_id]
                 continue
-            if window:
-                averaged[replica_id] = sum(v for _, v in window) / len(window)
+            for metric in (window[-1][1] if window else ()):
+                values = [stats.get(metric, 0.0) for _, stats in window]
+                averaged.setdefault(metric, {})[replica_id] = sum(values) / len(values)
         ctx = SimpleNamespace(
             current_num_replicas=len(running), target_num_replicas=target,
             running_replicas=running, total_queued_requests=float(queued),
-            aggregated_metrics={QUEUE_DEPTH_METRIC: averaged},
+            aggregated_metrics=averaged,
             capacity_adjusted_min_replicas=self.settings.min_replicas,
             capacity_adjusted_max_replicas=self.settings.max_replicas,
             policy_state=self.policy_state, current_time=now)

@@ -83,7 +83,7 @@ class Fleet:
 
     def _make_router(self, name: str, seed: int):
         if name == "pagedserve":
-            return PagedServeRouter(self.queue, seed, self.settings.routing)
+            return PagedServeRouter(self.queue, seed, self.settings.routing, routable=self.live)
         if name == "oracle":
             return OracleRouter(self.replicas, seed, self.settings.routing)
         if name == "approx":
@@ -155,16 +155,18 @@ class Fleet:
     def _route(self, request: Request, candidates: list[str]) -> bool:
         if not candidates:
             return False
-        began = time.thread_time()  # CPU time: other processes on these cores do not count
-        ranked = self.router.choose(request, candidates)
-        self.decision_s.append(time.thread_time() - began)
-        for replica_id in ranked:
+        # CPU time (other processes on these cores do not count) of the choice and of as much
+        # of its ranking as the handle reads (a router may rank lazily).
+        began = time.thread_time()
+        for replica_id in self.router.choose(request, candidates):
             if self.ongoing[replica_id] < self.max_ongoing:
+                self.decision_s.append(time.thread_time() - began)
                 self.ongoing[replica_id] += 1
                 self.router.routed(request, replica_id)
                 self.waiting[request.request_id] = request
                 self.replicas[replica_id].add(request)
                 return True
+        self.decision_s.append(time.thread_time() - began)
         return False
 
     def _drain_handle_queue(self) -> None:

@@ -1,10 +1,12 @@
 """The router under test, driven as the Ray Serve shim drives it, and the oracle.
 
 `PagedServeRouter` makes exactly the calls `serve_app.routing.router.PrefixAffinityRouter` makes
-on `RouterState`: on each broadcast of the replica set (`update_replicas`) it observes every
-replica's latest digest; per request (`choose_replicas`) it observes them all again, retains the
-live set, and asks `choose`; then `routed` when a replica accepted it and `completed` when it
-finished. Digests are the real `RoutingReporter`'s, delivered late by the fleet's stats delay.
+on `RouterState`: on each broadcast of the replica set (`update_replicas`) it observes the digests
+that changed; when the fleet's routable set changes it retains it (Ray's candidate list is every
+replica the handle knows; the fleet offers a retry only those with room, which must not make the
+router forget the others); per request it asks `choose`; then `routed` when a replica accepted it
+and `completed` when it finished. Digests are the real `RoutingReporter`'s, delivered late by the
+fleet's stats delay.
 """
 from __future__ import annotations
 
@@ -19,31 +21,31 @@ from serve_app.routing.router_state import RouterState
 class PagedServeRouter:
     name = "pagedserve"
 
-    def __init__(self, clock, seed: int, settings: RoutingSettings | None = None):
+    def __init__(self, clock, seed: int, settings: RoutingSettings | None = None,
+                 routable: list[str] | None = None):
         self.state = RouterState(settings or RoutingSettings(), rng=random.Random(seed), clock=clock)
         self.digests: dict[str, dict] = {}  # what RunningReplica.routing_stats holds now
+        self.routable = routable  # the fleet's live list (it changes in place); None: candidates
+        self._retained: tuple[str, ...] | None = None
 
     def update_replicas(self, digests: Mapping[str, dict]) -> None:
-        self.digests.update(digests)
-        for replica_id in list(self.digests):
-            if replica_id not in digests:
-                del self.digests[replica_id]
-        self._observe(self.digests)
+        for replica_id, digest in digests.items():
+            if self.digests.get(replica_id) is not digest:
+                self.state.observe(replica_id, digest)
+        self.digests = dict(digests)
 
-    def choose(self, request: Request, live: list[str]) -> list[str]:
-        self._observe(live)
-        self.state.retain(live)
-        return self.state.choose(request.request_id, list(request.block_hashes), live).ranked
+    def choose(self, request: Request, live: list[str]):
+        routable = tuple(self.routable if self.routable is not None else live)
+        if routable != self._retained:
+            self._retained = routable
+            self.state.retain(routable)
+        return self.state.choose(request.request_id, list(request.block_hashes), live).ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
         self.state.routed(request.request_id, replica_id)
 
     def completed(self, request: Request) -> None:
         self.state.completed(request.request_id)
-
-    def _observe(self, replica_ids) -> None:
-        for replica_id in replica_ids:
-            self.state.observe(replica_id, self.digests.get(replica_id))
 
 
 class OracleRouter:
@@ -72,7 +74,7 @@ class OracleRouter:
             while num < limit and hashes[num] in cached:
                 num += 1
             matches[replica_id] = num
-        return choose_replica(hashes[:limit], loads, matches, self.settings, self.rng).ranked
+        return choose_replica(hashes[:limit], loads, matches, self.settings, self.rng).ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
         pass

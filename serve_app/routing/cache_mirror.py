@@ -8,19 +8,28 @@ hears a replica from its first seconds on is exact without any snapshot. A hole 
 overflowed) makes the mirror inexact: it keeps what it has and goes on applying events (most of
 it is still right, which routes better than nothing), but is out of sync until a snapshot, which
 replaces it outright. Snapshots come on a replica's first report, after its log dropped events,
-and every minute as a safety net. Pure Python.
+and every minute as a safety net.
+
+A listener (the `PrefixIndex`) hears every hash that enters or leaves the mirror, so it can keep
+its block hash -> replicas index from the same stream. Pure Python.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                 events_from, read_snapshot)
 
 
+class MirrorListener(Protocol):
+    def stored(self, block_hashes: Iterable[int]) -> None: ...
+    def removed(self, block_hashes: Iterable[int]) -> None: ...
+
+
 class CacheMirror:
-    def __init__(self):
+    def __init__(self, listener: MirrorListener | None = None):
+        self.listener = listener  # told of hashes that were not in the mirror / are gone from it
         self.block_hashes: set[int] = set()
         self.next_seq = 0  # the number of the next event to apply
         self.in_sync = True  # block_hashes is exactly the replica's cache as of event next_seq - 1
@@ -30,7 +39,11 @@ class CacheMirror:
         """Apply one report's stream (`kv_events.wire_stream`); reports must come in order."""
         snapshot = read_snapshot(stream)
         if snapshot is not None:
-            self.block_hashes = set(snapshot.block_hashes)
+            held = set(snapshot.block_hashes)
+            if self.listener is not None:
+                self.listener.removed(self.block_hashes - held)
+                self.listener.stored(held - self.block_hashes)
+            self.block_hashes = held
             self.next_seq = snapshot.seq
             self.in_sync = True
         for seq, event in events_from(stream["events"], self.next_seq):
@@ -47,10 +60,17 @@ class CacheMirror:
         self.num_holes += 1
 
     def _apply_event(self, event: KVCacheEvent) -> None:
+        held, listener = self.block_hashes, self.listener
         match event:
             case BlockStored(block_hashes=block_hashes):
-                self.block_hashes.update(block_hashes)
+                if listener is not None:
+                    listener.stored([h for h in block_hashes if h not in held])
+                held.update(block_hashes)
             case BlockRemoved(block_hashes=block_hashes):
-                self.block_hashes.difference_update(block_hashes)
+                if listener is not None:
+                    listener.removed([h for h in block_hashes if h in held])
+                held.difference_update(block_hashes)
             case AllBlocksCleared():
-                self.block_hashes.clear()
+                if listener is not None:
+                    listener.removed(list(held))
+                held.clear()

@@ -8,16 +8,55 @@ them before the next digest says so. An optimistic entry lives until a digest ta
 `optimistic_ttl_s` after the insert has had time to show it (or to show that it was evicted again).
 
 Hashes are chained (`replicas.block_hash`), so one hash names a whole prefix; a match is the number
-of leading blocks of a request that a replica holds. Pure Python.
+of leading blocks of a request that a replica holds. The inverted index (hash -> replicas holding
+it, by mirror or optimistically) is kept from the mirrors' changes and the inserts, so a match
+costs the request's blocks times the replicas that hold them, not the fleet's size. Pure Python.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from itertools import filterfalse, groupby, repeat
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
 
 DEFAULT_OPTIMISTIC_TTL_S = 10.0
+_EMPTY: frozenset = frozenset()
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """How many leading blocks of a request each replica holds: `common` for every replica but
+    those in `deeper`, each of which holds more."""
+    common: int = 0
+    deeper: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> int:
+        return max(self.deeper.values(), default=self.common)
+
+    def get(self, replica_id: str) -> int:
+        return self.deeper.get(replica_id, self.common)
+
+
+class _Holders:
+    """One replica's mirror listener: its confirmed hashes enter and leave the inverted index,
+    unless an optimistic entry holds them there anyway."""
+
+    __slots__ = ("index", "replica_id")
+
+    def __init__(self, index: "PrefixIndex", replica_id: str):
+        self.index, self.replica_id = index, replica_id
+
+    def stored(self, block_hashes: Iterable[int]) -> None:
+        optimistic = self.index._optimistic.get(self.replica_id, _EMPTY)
+        self.index._add(self.replica_id, (h for h in block_hashes if h not in optimistic))
+
+    def removed(self, block_hashes: Iterable[int]) -> None:
+        optimistic = self.index._optimistic.get(self.replica_id, _EMPTY)
+        self.index._discard(self.replica_id, (h for h in block_hashes if h not in optimistic))
 
 
 class PrefixIndex:
@@ -25,7 +64,12 @@ class PrefixIndex:
         self.optimistic_ttl_s = optimistic_ttl_s
         self._mirrors: dict[str, CacheMirror] = {}  # replica -> what its event stream says it holds
         self._optimistic: dict[str, dict[int, float]] = {}  # replica -> hash -> inserted at
+        # replica -> (inserted at, hashes) per insert, oldest first: what the TTL expires
+        self._inserts: dict[str, deque[tuple[float, Sequence[int]]]] = {}
         self._report_time: dict[str, float] = {}
+        # hash -> the replicas holding it, by their mirror or optimistically
+        self._holders: dict[int, frozenset[str]] = {}
+        self._single: dict[str, frozenset[str]] = {}  # replica -> frozenset((replica,))
 
     @property
     def replica_ids(self) -> set[str]:
@@ -42,62 +86,143 @@ class PrefixIndex:
     def observe(self, replica_id: str, kv_events: Mapping[str, Any] | None,
                 report_time: float) -> None:
         """Apply replica_id's digest taken at report_time: its KV event stream, if it caches."""
-        mirror = self._mirrors.setdefault(replica_id, CacheMirror())
+        mirror = self._mirrors.get(replica_id)
+        if mirror is None:
+            mirror = self._mirrors[replica_id] = CacheMirror(_Holders(self, replica_id))
         if kv_events is not None:
             mirror.apply(kv_events)
         self._report_time[replica_id] = report_time
-        optimistic = self._optimistic.get(replica_id)
-        if optimistic:
-            horizon = report_time - self.optimistic_ttl_s
-            for block_hash in [h for h, at in optimistic.items() if at <= horizon]:
-                del optimistic[block_hash]
+        inserts = self._inserts.get(replica_id)
+        if inserts:
+            self._expire(replica_id, inserts, report_time - self.optimistic_ttl_s)
 
-    def insert(self, replica_id: str, block_hashes: Iterable[int], now: float) -> None:
-        """Optimistically record that replica_id is about to hold these blocks."""
-        optimistic = self._optimistic.setdefault(replica_id, {})
-        for block_hash in block_hashes:
-            optimistic[block_hash] = now
+    def insert(self, replica_id: str, block_hashes: Sequence[int], now: float,
+               num_held: int = 0) -> None:
+        """Optimistically record that replica_id is about to hold these blocks (the sequence is
+        kept, not copied). num_held: how many leading ones it holds already, by the match the
+        decision was made on; the index changes only past them."""
+        optimistic = self._optimistic.get(replica_id)
+        if optimistic is None:
+            optimistic = self._optimistic[replica_id] = {}
+            self._inserts[replica_id] = deque()
+        optimistic.update(zip(block_hashes, repeat(now)))
+        self._inserts[replica_id].append((now, block_hashes))
+        self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes)
 
     def remove(self, replica_id: str, block_hashes: Iterable[int], inserted_at: float) -> None:
         """Take back an optimistic insert made at inserted_at (the request went elsewhere); hashes
         inserted again since, for another request, stay."""
         optimistic = self._optimistic.get(replica_id)
         if optimistic:
-            for block_hash in block_hashes:
-                if optimistic.get(block_hash) == inserted_at:
-                    del optimistic[block_hash]
+            gone = [h for h in block_hashes if optimistic.get(h) == inserted_at]
+            self._drop_optimistic(replica_id, optimistic, gone)
 
     def retain(self, live_replica_ids: Iterable[str]) -> None:
         """Forget replicas that are gone."""
         live = set(live_replica_ids)
-        for table in (self._mirrors, self._optimistic, self._report_time):
+        for replica_id in [r for r in self.replica_ids if r not in live]:
+            held = set(self._confirmed(replica_id)) | set(self._optimistic.get(replica_id, ()))
+            self._discard(replica_id, held)
+        for table in (self._mirrors, self._optimistic, self._inserts, self._report_time,
+                      self._single):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
     def holds(self, replica_id: str, block_hash: int) -> bool:
-        return (block_hash in self._confirmed(replica_id)
-                or block_hash in self._optimistic.get(replica_id, ()))
+        return replica_id in self._holders.get(block_hash, _EMPTY)
 
     def holders(self, block_hash: int) -> set[str]:
-        return {r for r in self.replica_ids if self.holds(r, block_hash)}
+        return set(self._holders.get(block_hash, _EMPTY))
+
+    def prefix_match(self, block_hashes: Sequence[int], live: Set[str]) -> PrefixMatch:
+        """The leading blocks of the request each live replica holds; `live` must be a set (or
+        dict keys). A chain's blocks mostly share one holder set (see `_add`), so the walk is per
+        run of blocks with the same holders, in C but for the runs."""
+        if not block_hashes:
+            return PrefixMatch()
+        survivors = self._holders.get(block_hashes[0], _EMPTY) & live  # holding every block so far
+        common = None if len(survivors) == len(live) else 0  # None: every live replica so far
+        if not survivors:  # a cold prefix
+            return PrefixMatch()
+        held_by = list(map(self._holders.get, block_hashes, repeat(_EMPTY)))
+        deeper: dict[str, int] = {}
+        start = 0
+        for held, run in groupby(held_by):
+            if start and not survivors <= held:
+                remaining = survivors & held
+                if common is None:
+                    common = start  # those that stop here hold what every replica holds: unlisted
+                else:
+                    deeper.update(zip(survivors - remaining, repeat(start)))
+                survivors = remaining
+                if not survivors:
+                    break
+            start += len(list(run))
+        if common is None:
+            return PrefixMatch(len(block_hashes) if survivors else 0)
+        deeper.update(zip(survivors, repeat(len(block_hashes))))
+        return PrefixMatch(common, deeper)
 
     def match(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """For each replica: how many leading blocks of the request it holds."""
-        matches = {}
-        for replica_id in replica_ids:
-            confirmed = self._confirmed(replica_id)
-            optimistic = self._optimistic.get(replica_id, ())
-            num = 0
-            for block_hash in block_hashes:
-                if block_hash not in confirmed and block_hash not in optimistic:
-                    break
-                num += 1
-            matches[replica_id] = num
-        return matches
+        replica_ids = list(replica_ids)
+        found = self.prefix_match(block_hashes, set(replica_ids))
+        return {r: found.get(r) for r in replica_ids}
 
     def num_blocks(self, replica_id: str) -> int:
         return len(self._confirmed(replica_id) | set(self._optimistic.get(replica_id, ())))
 
-    def _confirmed(self, replica_id: str) -> set[int] | tuple[()]:
+    # -- internals ------------------------------------------------------------------------------
+    def _confirmed(self, replica_id: str) -> set[int] | frozenset:
         mirror = self._mirrors.get(replica_id)
-        return mirror.block_hashes if mirror is not None else ()
+        return mirror.block_hashes if mirror is not None else _EMPTY
+
+    def _add(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+        # Holder sets are frozensets, shared: every hash that only replica_id holds points at one
+        # object, so the blocks of a miss enter the index in one C-level pass.
+        holders = self._holders
+        single = self._single.get(replica_id)
+        if single is None:
+            single = self._single[replica_id] = frozenset((replica_id,))
+        if not isinstance(block_hashes, (list, tuple)):
+            block_hashes = list(block_hashes)
+        fresh = list(filterfalse(holders.__contains__, block_hashes))
+        grown: dict[frozenset[str], frozenset[str]] = {}  # so equal holder sets stay one object
+        for block_hash in (filter(holders.__contains__, block_hashes)
+                           if len(fresh) < len(block_hashes) else ()):
+            held = holders[block_hash]
+            if replica_id not in held:
+                more = grown.get(held)
+                if more is None:
+                    more = grown[held] = held | single
+                holders[block_hash] = more
+        holders.update(dict.fromkeys(fresh, single))
+
+    def _discard(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+        holders = self._holders
+        single = self._single.get(replica_id, _EMPTY)
+        shrunk: dict[frozenset[str], frozenset[str]] = {}
+        for block_hash in block_hashes:
+            held = holders.get(block_hash)
+            if held is not None and replica_id in held:
+                if len(held) == 1:
+                    del holders[block_hash]
+                    continue
+                fewer = shrunk.get(held)
+                if fewer is None:
+                    fewer = shrunk[held] = held - single
+                holders[block_hash] = fewer
+
+    def _expire(self, replica_id: str, inserts: deque, horizon: float) -> None:
+        optimistic = self._optimistic[replica_id]
+        while inserts and inserts[0][0] <= horizon:
+            at, block_hashes = inserts.popleft()
+            gone = [h for h in block_hashes if optimistic.get(h) == at]
+            self._drop_optimistic(replica_id, optimistic, gone)
+
+    def _drop_optimistic(self, replica_id: str, optimistic: dict[int, float],
+                         gone: list[int]) -> None:
+        for block_hash in gone:
+            optimistic.pop(block_hash, None)
+        confirmed = self._confirmed(replica_id)
+        self._discard(replica_id, (h for h in gone if h not in confirmed))

@@ -1,15 +1,18 @@
 """PrefixAffinityRouter: the Ray Serve `RequestRouter` on the ingress -> engine-replica handle.
 
 A thin shim over `RouterState`: it reads the replicas' digests (`record_routing_stats`, via
-`RunningReplica.routing_stats`) whenever Ray hands it the replica set, ranks every live replica one
-per rank (Ray takes the first rank whose replica has room, so a full first choice falls through to
-the next), and keeps the bookkeeping in step through Ray's routed/completed callbacks.
+`RunningReplica.routing_stats`) when Ray hands it the replica set (the only time they change), ranks
+every live replica one per rank (Ray takes the first rank whose replica has room, so a full first
+choice falls through to the next; the ranks past the first are made only if Ray asks for them),
+and keeps the bookkeeping in step through Ray's routed/completed callbacks. Per request it does
+nothing per replica in Python: Ray passes the same candidate list until the set changes.
 
 The request's block hashes come from the handle call: a `block_hashes` keyword argument, or an
 argument that has a `block_hashes` attribute or key. Without them a request is routed by load.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -48,6 +51,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.settings = RoutingSettings(**kwargs)
         self.state = RouterState(self.settings)
         self.metrics = RoutingMetrics(self._deployment_id.app_name, self._deployment_id.name)
+        self._observed: dict[str, Any] = {}  # replica -> the routing stats last applied
+        self._candidates: list[RunningReplica] | None = None  # the list `_live` was made from
+        self._live: dict[str, RunningReplica] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         # Ray re-broadcasts the replica set each time a replica's routing stats change, requests or
@@ -63,18 +69,16 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
-                              ) -> list[list[RunningReplica]]:
+                              ) -> Iterable[list[RunningReplica]]:
         if not hasattr(self, "state"):  # initialize_state is always called; be safe anyway
             self.initialize_state()
         if not candidate_replicas:
             return []
-        live = {r.replica_id.unique_id: r for r in candidate_replicas}
+        live = self._live_replicas(candidate_replicas)
         pinned = pinned_replica(pending_request)
         if pinned is not None:  # an output channel: that replica or none (the opener times out)
             pending_request.routing_context.should_backoff = True
             return [[live[pinned]]] if pinned in live else []
-        self._observe(candidate_replicas)
-        self.state.retain(live)
         request_id = None
         block_hashes: list[int] = []
         if pending_request is not None:
@@ -84,13 +88,33 @@ class PrefixAffinityRouter(RequestRouter):
             request_id = pending_request.metadata.internal_request_id
             block_hashes = request_block_hashes(pending_request.args, pending_request.kwargs)
         decision = self.state.choose(request_id, block_hashes, live)
-        return [[live[replica_id]] for replica_id in decision.ranked]
+        return ([live[replica_id]] for replica_id in decision.ranking())  # Ray only iterates it
+
+    def _live_replicas(self, candidate_replicas: list[RunningReplica]) -> dict[str, RunningReplica]:
+        """Ray hands the same list object until the replica set changes: map it once."""
+        if candidate_replicas is not self._candidates or len(candidate_replicas) != len(self._live):
+            self._candidates = candidate_replicas
+            self._live = {r.replica_id.unique_id: r for r in candidate_replicas}
+            self._observe(candidate_replicas)
+            self.state.retain(self._live)
+        return self._live
 
     def _observe(self, replicas: list[RunningReplica]) -> None:
+        """Apply the digests that changed since the last look (Ray replaces a replica's stats
+        dict when new ones arrive, so identity says it)."""
+        observed = self._observed
         for replica in replicas:
             replica_id = replica.replica_id.unique_id
-            if self.state.observe(replica_id, replica.routing_stats):
+            stats = replica.routing_stats
+            if observed.get(replica_id) is stats:
+                continue
+            observed[replica_id] = stats
+            if self.state.observe(replica_id, stats):
                 self.metrics.record_load(replica_id, self.state.load(replica_id))
+        if len(observed) > 2 * len(replicas) + 64:  # forget replicas long gone
+            alive = {r.replica_id.unique_id for r in replicas}
+            for replica_id in [r for r in observed if r not in alive]:
+                del observed[replica_id]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 from replicas.cache_digest import DIGEST_VERSION, QueueDepth
 from serve_app.routing.load import LoadTracker
 from serve_app.routing.policy import (AFFINITY, FALLBACK, LOAD_OVERRIDE, Decision, RoutingSettings,
-                                      choose_replica)
+                                      rank_replicas)
 from serve_app.routing.prefix_index import PrefixIndex
+from serve_app.routing.rendezvous import ReplicaSet
 
 MAX_UNROUTED = 4096  # chosen-for but never routed (cancelled) requests kept at most
 UNROUTED_TTL_S = 60.0
@@ -33,12 +34,13 @@ class RouterState:
                  clock: Callable[[], float] = time.time):
         self.settings = settings or RoutingSettings()
         self.index = PrefixIndex(self.settings.optimistic_ttl_s)
-        self.loads = LoadTracker()
+        self.loads = LoadTracker(listener=self._load_changed)
         self.hit_rates: dict[str, float] = {}
         self._rng = rng or random.Random()
         self._clock = clock
         self._digest_time: dict[str, float] = {}
         self._unrouted: dict[str, _Choice] = {}
+        self._replicas = ReplicaSet(())  # the last live set a decision ranked
 
     # -- what replicas tell us ------------------------------------------------------------------
     def observe(self, replica_id: str, digest: Mapping[str, Any] | None) -> bool:
@@ -69,10 +71,9 @@ class RouterState:
                live_replica_ids: Iterable[str]) -> Decision:
         """Rank the live replicas for a request, and count it against the first choice now, so a
         burst routed before the next digest sees its own effect."""
-        live = list(live_replica_ids)
-        loads = {r: self.loads.load(r) for r in live}
-        matches = self.index.match(block_hashes, live)
-        decision = choose_replica(block_hashes, loads, matches, self.settings, self._rng)
+        live = self._replica_set(live_replica_ids)
+        match = self.index.prefix_match(block_hashes, live.ids_set)
+        decision = rank_replicas(block_hashes, live, match, self.settings, self._rng)
         if request_id is not None:
             self._assign(request_id, decision.replica_id, list(block_hashes), decision)
         return decision
@@ -98,13 +99,23 @@ class RouterState:
         return self.loads.load(replica_id)
 
     # -- internals ------------------------------------------------------------------------------
+    def _replica_set(self, live_replica_ids: Iterable[str]) -> ReplicaSet:
+        """The same replicas as last time, mostly: comparing the ids is cheaper than sorting."""
+        live = tuple(live_replica_ids)
+        if live != self._replicas.key:
+            self._replicas = ReplicaSet(live, self.loads.loads)
+        return self._replicas
+
+    def _load_changed(self, replica_id: str, load: float) -> None:
+        self._replicas.set_load(replica_id, load)
+
     def _assign(self, request_id: str, replica_id: str, block_hashes: list[int],
                 decision: Decision) -> None:
         now = self._clock()
         previous = self._unrouted.get(request_id)
         if previous is not None and previous.replica_id != replica_id:
             self.index.remove(previous.replica_id, previous.block_hashes, previous.at)
-        self.index.insert(replica_id, block_hashes, now)
+        self.index.insert(replica_id, block_hashes, now, decision.num_matched_blocks)
         self.loads.sent(request_id, replica_id, now)
         self._unrouted[request_id] = _Choice(replica_id, block_hashes, decision, now)
         if len(self._unrouted) > MAX_UNROUTED:

@@ -2,8 +2,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.autoscaling import (POLICY_PATH, QUEUE_DEPTH_METRIC, QueueDepthPolicy,
-                                   autoscaling_config, desired_num_replicas, policy)
+from serve_app.autoscaling import (BATCH_OCCUPANCY_METRIC, POLICY_PATH, QUEUE_DEPTH_METRIC,
+                                   QueueDepthPolicy, autoscaling_config, desired_num_replicas,
+                                   policy)
 
 
 def ctx(depths, *, queued=0.0, current=None, lo=1, hi=4, state=None):
@@ -70,3 +71,37 @@ def test_autoscaling_config_is_valid_for_ray_serve():
     assert (parsed.upscale_delay_s, parsed.downscale_delay_s) == (3, 5)
     instance = parsed.policy.get_policy()(**parsed.policy.policy_kwargs)
     assert instance(ctx({"a": 5.0}))[0] == 3
+
+
+def occupied(depths, occupancy, **kw):
+    c = ctx(depths, **kw)
+    c.aggregated_metrics[BATCH_OCCUPANCY_METRIC] = dict(occupancy)
+    return c
+
+
+def test_a_fleet_with_full_batches_and_empty_queues_does_not_scale_down():
+    full = {r: 1.0 for r in "abcd"}
+    n, state = policy(occupied({r: 0.0 for r in "abcd"}, full), target_queue_depth=4)
+    assert n == 4 and state["batch_occupancy"] == 4.0
+    # without the occupancy the same queues ask for the minimum: the oscillation
+    assert policy(ctx({r: 0.0 for r in "abcd"}), target_queue_depth=4)[0] == 1
+    # half-full batches pack onto the replicas that can hold them at most 80% full
+    n, _ = policy(occupied({r: 0.0 for r in "abcd"}, {r: 0.5 for r in "abcd"}), target_queue_depth=4)
+    assert n == 3  # 2 replicas' worth of batches / 0.8 -> 2.5 -> 3
+    assert desired_num_replicas(0.0, 5, 4, 0.8, total_occupancy=4.0) == 5  # 4 / 0.8 is 5, not 6
+    assert desired_num_replicas(9.0, 2, 4, 0.8, total_occupancy=0.0) == 3  # the queue still scales up
+
+
+def test_replicas_report_their_batch_occupancy():
+    from replicas.cache_digest import autoscaling_stats
+
+    class Engine:
+        scheduler = type("S", (), {"max_num_seqs": 8})()
+
+    class AsyncEngine:
+        engine = Engine()
+
+        def stats(self):
+            return {"num_waiting": 0, "num_running": 6, "kv_cache_usage": 0.2}
+
+    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, BATCH_OCCUPANCY_METRIC: 0.75}

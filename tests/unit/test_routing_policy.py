@@ -119,3 +119,29 @@ def test_rendezvous_weight_is_stable_across_processes():
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env={"PYTHONHASHSEED": "7", "PATH": ""}).stdout
     assert int(out) == rendezvous_weight(-12345, "abc")
+
+
+def test_the_ranking_past_the_first_choice_is_made_only_when_asked_for(monkeypatch):
+    import serve_app.routing.policy as policy
+    ids = [f"r{i}" for i in range(50)]
+    d = choose(A, {r: 0.0 for r in ids}, {"r7": 4})
+    asked = []
+    real = d.rest
+    d.rest = lambda: asked.append(1) or real()
+    ranking = d.ranking()
+    assert next(ranking) == "r7" and not asked  # Ray took the first: nothing else was sorted
+    assert next(ranking) != "r7" and asked == [1]
+    assert sorted(d.ranked) == sorted(ids) and asked == [1]  # sorted once
+    monkeypatch.setattr(policy, "_rank_rest", lambda *a: pytest.fail("ranked the rest"))
+    assert choose(A, {r: 0.0 for r in ids}, {}).replica_id == rendezvous_home(A[0], ids)
+
+
+def test_defaults_leave_room_for_a_hot_prefix_before_load_wins():
+    # A replica batches many requests: 4 or 2 more than the least-loaded one spilled hot prefixes
+    # long before their holder was busy (see the settings' comment for bench.fleet's figures).
+    s = RoutingSettings()
+    assert (s.load_override_threshold, s.cold_home_max_excess_load) == (16, 8)
+    d = choose(A, {"r1": 15.0, "r2": 0.0, "r3": 0.0}, {"r1": 4}, settings=s)
+    assert (d.replica_id, d.reason) == ("r1", AFFINITY)
+    d = choose(A, {"r1": 17.0, "r2": 0.0, "r3": 0.0}, {"r1": 4}, settings=s)
+    assert d.reason == LOAD_OVERRIDE

@@ -40,7 +40,7 @@ def state(**settings):
 
 
 def test_repeated_cold_prefix_converges_then_spills_when_its_replica_fills():
-    s, clock = state(load_override_threshold=4)
+    s, clock = state(load_override_threshold=4, cold_home_max_excess_load=2)
     live = ["r1", "r2"]
     hashes = [block_hashes(prompt(i), BS) for i in range(8)]
     home = rendezvous_home(hashes[0][0], live)
@@ -67,7 +67,9 @@ def test_distinct_cold_prefixes_spread_and_misses_avoid_the_loaded_replica():
         picks[d.replica_id] += 1
         assert d.reason in (COLD_HOME, FALLBACK)
         loads = [s.load(r) for r in live]
-        assert max(loads) - min(loads) <= 3  # a burst of misses never drowns one replica
+        # A burst of misses never drowns one replica: a home takes one more up to 2 above the
+        # least (3), and two choices between the two busiest can add one more.
+        assert max(loads) - min(loads) <= 4
     assert set(picks) == set(live)
 
 

@@ -1,0 +1,27 @@
+"""serve_app.routing.rendezvous: the scalar weight and the vectorized one agree, and spread."""
+import random
+from collections import Counter
+
+from serve_app.routing.rendezvous import ReplicaSet, rendezvous_home, rendezvous_weight
+
+
+def test_vectorized_weights_equal_the_scalar_weight():
+    rng = random.Random(0)
+    replicas = ReplicaSet([f"replica-{i:05d}" for i in rng.sample(range(10 ** 5), 300)])
+    assert list(replicas.ids) == sorted(replicas.key)
+    for key in [0, -1, 1, 2 ** 63 - 1, -(2 ** 63), *(rng.getrandbits(64) - 2 ** 63 for _ in range(20))]:
+        weights = replicas.weights(key)
+        assert [int(w) for w in weights] == [rendezvous_weight(key, r) for r in replicas.ids]
+        assert [replicas.weight(key, i) for i in range(3)] == [int(w) for w in weights[:3]]
+        assert replicas.ids[int(weights.argmax())] == rendezvous_home(key, replicas.ids)
+
+
+def test_homes_spread_evenly_and_move_little_when_a_replica_goes():
+    ids = [f"replica-{i}" for i in range(10)]
+    keys = range(20000)
+    homes = {k: rendezvous_home(k, ids) for k in keys}
+    counts = Counter(homes.values())
+    assert min(counts.values()) > 0.8 * 2000 and max(counts.values()) < 1.2 * 2000
+    rest = ids[1:]
+    moved = [k for k in keys if homes[k] != ids[0] and rendezvous_home(k, rest) != homes[k]]
+    assert moved == []  # only the keys of the replica that went move
