@@ -4,7 +4,8 @@ and called through ctypes.
 One library per CPU level (kernels/cpu_features.py: "avx512_bf16", "avx512", "avx2", or "native"),
 compiled with that level's flags; the process loads the one for cpu_level(), logged once when it
 is built or found. A compiler that lacks a level's flags falls back to the level below, with a
-warning. The packed GEMMs' wrappers are in kernels/native_linear.py.
+warning. The packed GEMMs' wrappers are in kernels/native_linear.py, paged decode attention's in
+kernels/native_attention.py.
 
 Each library is cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve)/native/<level>-<key>/,
 the key hashing the sources, the flags, the compiler's version and, for a -march=native build,
@@ -196,10 +197,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
         "pagedserve_paged_decode_attention": [ptr, ptr, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64,
-                                              i64, i64, i64, i64, f32, i64, f32, i32],
-        "pagedserve_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
-        "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32],
-        "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32],
+                                              i64, i64, i64, i64, f32, i64, f32, i32, i32],
+        "pagedserve_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32, i32],
+        "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32, i32],
+        "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
         "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "pagedserve_linear_panel": [],
         "pagedserve_linear_bf16": [ptr, ptr, i64, ptr, ptr, i32, i64, i64, i64, i32],
@@ -215,6 +216,11 @@ def _library() -> ctypes.CDLL:
     if _lib is None and not available():
         raise RuntimeError("the native CPU kernels are not available (see kernels.native.available)")
     return _lib
+
+
+def _level_library(level: str | None) -> ctypes.CDLL:
+    """The loaded library, or (tests, benchmarks) another level's: see library()."""
+    return (_lib or _library()) if level is None else library(level)
 
 
 # The wrappers run dozens of times per engine step: each checks its arguments with one boolean
@@ -238,90 +244,85 @@ def _explain(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
-def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype is not torch.int32 or not t.is_cpu or not t.is_contiguous() or t.shape != shape:
-        raise ValueError(f"{name} must be a contiguous int32 CPU tensor of shape {list(shape)}, "
-                         f"got {t.dtype} {list(t.shape)} on {t.device}")
+# Bits of the norm / activation / attention kernels' `dtypes` argument (csrc/common.h): which
+# operands are bf16, the others being fp32. Every kernel computes in fp32.
+BF16_DATA, BF16_WEIGHT, BF16_KV = 1, 2, 4
+_BF16 = torch.bfloat16
+_DATA_DTYPES = (_F32, _BF16)
 
 
-def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float, *,
-                           sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> None:
-    """Decode attention into out, reading K/V in place through the block tables.
-
-    query, out [num_tokens, num_heads, head_dim] (query's rows may be strided, as a view of a fused
-    QKV projection); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables
-    int32 [batch, width]; seq_lens int32 [batch]; query_start_loc int32 [batch + 1]. Only the rows
-    of sequences with query_len 1 are written: the others (prefills) are left as they are.
-    sliding_window and logits_soft_cap as in kernels/reference.py; block table entries wholly
-    outside the window are never read (nor checked).
-    """
-    lib = _lib or _library()
-    if not (_fits(out) and _fits(kv_cache) and query.dtype is _F32 and query.is_cpu):
-        _explain(out=out, kv_cache=kv_cache, query=query.contiguous())
-    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError("expected query [num_tokens, num_heads, head_dim] and kv_cache "
-                         "[2, num_blocks, block_size, num_kv_heads, head_dim]")
-    num_tokens, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query heads {num_heads} x {head_dim} do not fit KV heads "
-                         f"{num_kv_heads} x {cache_head_dim}")
-    if out.shape != query.shape:
-        raise ValueError(f"out {list(out.shape)} must have query's shape {list(query.shape)}")
-    if num_tokens and not query[0].is_contiguous():
-        raise ValueError("each query row [num_heads, head_dim] must be contiguous")
-    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    width = block_tables.shape[-1] if block_tables.dim() else -1
-    _check_index("seq_lens", seq_lens, (batch,))
-    _check_index("query_start_loc", query_start_loc, (batch + 1,))
-    _check_index("block_tables", block_tables, (batch, width))
-    _check(lib.pagedserve_paged_decode_attention(
-        out.data_ptr(), query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
-        block_tables.data_ptr(), width, seq_lens.data_ptr(), query_start_loc.data_ptr(),
-        batch, num_tokens, num_heads, num_kv_heads, head_dim, scale, sliding_window or 0,
-        logits_soft_cap or 0.0, torch.get_num_threads()))
+def _fits_data(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype is dtype and t.is_cpu and t.is_contiguous()
 
 
-def _norm_rows(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor, other_name: str) -> int:
-    """Rows of x after checking x, weight and other (out or residual, x's twin); raises otherwise."""
-    if not (_fits(x) and _fits(weight) and _fits(other)):
-        _explain(x=x, weight=weight, **{other_name: other})
+def _explain_data(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    """Raises for the first tensor that is not a contiguous CPU tensor of dtype (fp32 or bf16)."""
+    if dtype not in _DATA_DTYPES:
+        raise ValueError(f"expected float32 or bfloat16 tensors, got {dtype}")
+    for name, t in tensors.items():
+        if t.dtype is not dtype or not t.is_cpu:
+            raise ValueError(f"{name} must be a {dtype} CPU tensor (like the others), got {t.dtype} "
+                             f"on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def norm_dtypes(data: torch.dtype, weight: torch.dtype) -> int | None:
+    """The kernels' `dtypes` bits for these norm operand dtypes, None where no kernel takes them:
+    data and weight both float32 or both bfloat16, or float32 data with a bfloat16 weight (which
+    torch promotes to float32, as the kernel computes)."""
+    if data is _F32:
+        return 0 if weight is _F32 else BF16_WEIGHT if weight is _BF16 else None
+    return BF16_DATA | BF16_WEIGHT if data is _BF16 and weight is _BF16 else None
+
+
+def _norm_rows(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor, other_name: str
+               ) -> tuple[int, int]:
+    """(rows of x, dtypes) after checking x, weight and other (out or residual, x's twin)."""
+    dtypes = norm_dtypes(x.dtype, weight.dtype)
+    if dtypes is None or not (_fits_data(x, x.dtype) and _fits_data(other, x.dtype)
+                              and _fits_data(weight, weight.dtype)):
+        if dtypes is None:
+            raise ValueError(f"x {x.dtype} and weight {weight.dtype}: expected both float32, both "
+                             f"bfloat16, or float32 x with a bfloat16 weight")
+        _explain_data(x.dtype, x=x, **{other_name: other})
+        _explain_data(weight.dtype, weight=weight)
     hidden = weight.shape[0] if weight.dim() == 1 else -1
     shape = x.shape
     if not shape or shape[-1] != hidden or other.shape != shape:
         raise ValueError(f"expected x and {other_name} [..., hidden] of one shape and weight "
                          f"[hidden], got {list(shape)}, {list(other.shape)} and {list(weight.shape)}")
-    return x.numel() // hidden if hidden else 0
+    return (x.numel() // hidden if hidden else 0), dtypes
 
 
-def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """out = x * rsqrt(mean(x^2, -1) + eps) * weight, over x's last dimension."""
-    lib = _lib or _library()
-    rows = _norm_rows(x, weight, out, "out")
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             level: str | None = None) -> None:
+    """out = x * rsqrt(mean(x^2, -1) + eps) * weight, over x's last dimension (dtypes as in
+    norm_dtypes; a bf16 row is normalised in fp32, rounded, then scaled, as the reference)."""
+    lib = _level_library(level)
+    rows, dtypes = _norm_rows(x, weight, out, "out")
     lib.pagedserve_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, weight.shape[0],
-                            eps, torch.get_num_threads())
+                            eps, dtypes, torch.get_num_threads())
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> None:
+                       eps: float, *, level: str | None = None) -> None:
     """In place: residual += x, then x = rms_norm(residual) * weight (vLLM's semantics)."""
-    lib = _lib or _library()
-    rows = _norm_rows(x, weight, residual, "residual")
+    lib = _level_library(level)
+    rows, dtypes = _norm_rows(x, weight, residual, "residual")
     lib.pagedserve_fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), rows,
-                                      weight.shape[0], eps, torch.get_num_threads())
+                                      weight.shape[0], eps, dtypes, torch.get_num_threads())
 
 
-def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
-    """x [..., 2 * I] = [gate | up] -> out [..., I] = silu(gate) * up."""
-    lib = _lib or _library()
-    if not (_fits(out) and _fits(x)):
-        _explain(out=out, x=x)
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor, *, level: str | None = None) -> None:
+    """x [..., 2 * I] = [gate | up] -> out [..., I] = silu(gate) * up; both float32 or both bfloat16."""
+    lib = _level_library(level)
+    dtype = x.dtype
+    if not ((dtype is _F32 or dtype is _BF16) and _fits_data(out, dtype) and _fits_data(x, dtype)):
+        _explain_data(dtype, out=out, x=x)
     shape = out.shape
     if not shape or x.shape[:-1] != shape[:-1] or x.shape[-1] != 2 * shape[-1]:
         raise ValueError(f"x {list(x.shape)} must be out {list(shape)} with a last dimension twice as long")
     inter = shape[-1]
     lib.pagedserve_silu_and_mul(out.data_ptr(), x.data_ptr(), out.numel() // inter if inter else 0,
-                                inter, torch.get_num_threads())
+                                inter, BF16_DATA if dtype is _BF16 else 0, torch.get_num_threads())

@@ -1,8 +1,10 @@
 """RMSNorm (optionally fused with the residual add) and SiLU-and-mul: the torch formulas are the
-spec, the native CPU kernels (kernels/native.py) run them in one pass for float32 on CPU.
+spec, the native CPU kernels (kernels/native.py) run them in one pass for float32 and bfloat16 on
+CPU (fp32 arithmetic inside, bf16 rounded where the formula rounds it), on every CPU level.
 
 A decoder layer spends ~10 small torch ops per token row on these (each a pass over memory plus
-dispatch overhead); one native call each is what vLLM's fused_add_rms_norm / silu_and_mul do.
+dispatch overhead; in bf16 each also converts to fp32 and back); one native call each is what
+vLLM's fused_add_rms_norm / silu_and_mul do.
 """
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ import torch.nn.functional as F
 
 from kernels import native
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _native(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and native.available()
+    return x.dtype in _NATIVE_DTYPES and x.is_cpu and x.is_contiguous() and native.available()
+
+
+def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _native(x) and native.norm_dtypes(x.dtype, weight.dtype) is not None and weight.is_contiguous()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,12 +38,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     The fused form may reuse x's and residual's storage for its two results.
     """
     if residual is None:
-        if _native(x) and weight.dtype == torch.float32:
+        if _native_norm(x, weight):
             out = torch.empty_like(x)
             native.rms_norm(out, x, weight, eps)
             return out
         return rms_norm_reference(x, weight, eps)
-    if _native(x) and _native(residual) and weight.dtype == torch.float32:
+    if _native_norm(x, weight) and _native(residual) and residual.dtype == x.dtype:
         native.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
     residual = x + residual

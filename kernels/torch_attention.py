@@ -1,7 +1,8 @@
 """Fast CPU paged attention: the reference's semantics, batched and without host syncs.
 
-float32 decodes run in the native C kernel (kernels/native.py) when it is available: it reads K/V
-in place through the block tables, where the torch path below copies them out first. Otherwise,
+float32 and bfloat16 decodes (either over a float32 or a bfloat16 KV cache) run in the native C
+kernel (kernels/native.py) when it is available, on every CPU level: it reads K/V in place through
+the block tables, where the torch path below copies them out first. Otherwise,
 decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
 for one group is sorted by context length first, so groups pad little); each group is one block
 gather plus one scaled_dot_product_attention call
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, native_attention
 from kernels.metadata import AttentionMetadata
 
 # Bytes of gathered K+V per decode group. Measured on a 2-core Zen 4: one big batched gather spills
@@ -54,7 +55,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
                     logits_soft_cap: float | None = None, use_native: bool = True) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype.
 
-    sliding_window and logits_soft_cap as in kernels/reference.py. use_native=False keeps float32
+    sliding_window and logits_soft_cap as in kernels/reference.py. use_native=False keeps
     decodes on the torch path (tests and benchmarks compare them).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
@@ -64,9 +65,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         if not query[0].is_contiguous():  # strided rows are fine, strided heads are not
             query = query.contiguous()
         # One call for the whole batch: the kernel skips the prefills, written below.
-        native.paged_decode_attention(out, query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                      metadata.query_start_loc, scale, sliding_window=sliding_window,
-                                      logits_soft_cap=logits_soft_cap)
+        native_attention.paged_decode_attention(
+            out, query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     elif decodes and sliding_window is None and logits_soft_cap is None:
         _decode(query, kv_cache, metadata, scale, out, starts, decodes)
     elif decodes:
@@ -83,8 +84,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     return out
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _native_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return (query.dtype == torch.float32 and kv_cache.dtype == torch.float32 and query.is_cpu
+    return (query.dtype in _NATIVE_DTYPES and kv_cache.dtype in _NATIVE_DTYPES and query.is_cpu
             and kv_cache.is_contiguous() and native.available())
 
 

@@ -32,10 +32,9 @@ def load_config(model_dir: str | Path):
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | str = "cpu") -> torch.dtype:
     """"auto" means the checkpoint's own dtype (float32 when it names none or an unsupported one),
-    as in vLLM, with the CPU's exceptions: half-precision checkpoints run in bf16 where the CPU
-    level has native bf16 (kernels/cpu_features.has_native_bf16: fp16 too, as vLLM's CPU backend
-    casts it, torch's CPU fp16 kernels being slow), in float32 elsewhere (AVX2-only: 1.4 GFLOP/s
-    in bf16 vs ~90 in fp32 measured). An explicit dtype is always obeyed.
+    as in vLLM, with the CPU's exceptions: half-precision checkpoints (fp16 too, as vLLM's CPU
+    backend casts it, torch's CPU fp16 kernels being slow) run in the dtype measured fastest at the
+    CPU level, kernels/cpu_features.AUTO_DTYPE (which says why). An explicit dtype is obeyed.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -52,7 +51,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | st
     resolved = DTYPES.get(found, torch.float32)
     if torch.device(device).type != "cpu" or resolved == torch.float32:
         return resolved
-    chosen = torch.bfloat16 if cpu_features.has_native_bf16() else torch.float32
+    chosen = DTYPES[cpu_features.auto_dtype()]
     if chosen != resolved:
         logger.info("checkpoint dtype is %s, which this CPU has no fast kernels for: running %s "
                     "(dtype=%s forces it)", found, str(chosen).removeprefix("torch."), found)

@@ -65,6 +65,43 @@ static inline float ps_expf(float x) {
     return p * two_n;
 }
 
+/* bf16 <-> fp32, written so `omp simd` loops vectorise them on every level (AVX2 included; no
+ * AVX512-BF16 instruction needed): a bf16 is the top half of an fp32. */
+static inline float ps_bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN kept a (quiet) NaN: what torch's .to(torch.bfloat16) does. */
+static inline uint16_t ps_float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t quiet = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+/* What a bf16 tensor op returns for an fp32 result: rounded to bf16, widened back. */
+static inline float ps_round_bf16(float f) { return ps_bf16_to_float(ps_float_to_bf16(f)); }
+
+/* Bits of the `dtypes` argument of the norm, activation and attention entry points: which
+ * operands are bf16 (else fp32). Arithmetic is fp32 throughout. */
+enum { PS_BF16_DATA = 1, PS_BF16_WEIGHT = 2, PS_BF16_KV = 4 };
+
+/* Element i of an fp32 or bf16 array, as fp32; and the store back (rounding to bf16). `bf16` is a
+ * literal at every call site of the always-inlined kernels, so the test folds away before the
+ * loop is vectorised. */
+static inline __attribute__((always_inline)) float ps_load(const void *p, int64_t i, int bf16) {
+    return bf16 ? ps_bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void ps_store(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = ps_float_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* tanh(x) from ps_expf, vectorisable like it: 1 - 2 / (e^2x + 1), within ~1e-7 of libm's tanhf
  * in absolute terms (the logits soft cap scales it by the cap). Saturates to +-1 at large |x|. */
 static inline float ps_tanhf(float x) {

@@ -32,21 +32,6 @@ enum { PS_BF16_WIDEN = 8 };
 
 int pagedserve_linear_bf16_panel(void) { return BF_PANEL; }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, NaN kept a (quiet) NaN: what torch's .to(torch.bfloat16) does. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static inline __m512i broadcast_pair(const uint16_t *p) {
     int32_t pair;
     memcpy(&pair, p, sizeof pair);
@@ -55,7 +40,7 @@ static inline __m512i broadcast_pair(const uint16_t *p) {
 
 #define BF_ROW_DOT(r)                                                                       \
     if (mr > r) {                                                                           \
-        __m512bh a = (__m512bh)broadcast_pair(x + r * x_stride + 2 * i);                    \
+        __m512bh a = (__m512bh)broadcast_pair((const uint16_t *)x + r * x_stride + 2 * i); \
         c##r##0 = _mm512_dpbf16_ps(c##r##0, a, b0);                                         \
         c##r##1 = _mm512_dpbf16_ps(c##r##1, a, b1);                                         \
         c##r##2 = _mm512_dpbf16_ps(c##r##2, a, b2);                                         \
@@ -83,21 +68,47 @@ static inline __attribute__((always_inline)) void store_row(void *out, int out_b
     }
 }
 
-/* `mr` rows of x (bf16, pairs) against one panel; mr is a literal at every call site, so the
- * `mr > r` tests fold away and the accumulators stay in registers (see csrc/gemm.c). */
+/* The widening variant's inner step: the same packed pairs, each split into its even-k and odd-k
+ * columns as fp32 (a shift, a mask), then fp32 FMAs with fp32 activations. Where vdpbf16ps issues
+ * at a quarter of the FMA rate (measured on this Xeon: 1.0 ns vs 0.28 ns per instruction, so half
+ * the multiply-adds per second) this keeps fp32's compute speed with bf16's weight bytes. */
+#define BW_ROW_FMA(r)                                                                       \
+    if (mr > r) {                                                                           \
+        const float *xr = (const float *)x + r * x_stride + 2 * i;                          \
+        __m512 a0 = _mm512_set1_ps(xr[0]), a1 = _mm512_set1_ps(xr[1]);                      \
+        c##r##0 = _mm512_fmadd_ps(a1, o0, _mm512_fmadd_ps(a0, e0, c##r##0));                \
+        c##r##1 = _mm512_fmadd_ps(a1, o1, _mm512_fmadd_ps(a0, e1, c##r##1));                \
+        c##r##2 = _mm512_fmadd_ps(a1, o2, _mm512_fmadd_ps(a0, e2, c##r##2));                \
+    }
+#define BW_SPLIT(j)                                                                         \
+    __m512i v##j = _mm512_loadu_si512(b + 32 * j);                                          \
+    __m512 e##j = _mm512_castsi512_ps(_mm512_slli_epi32(v##j, 16));                         \
+    __m512 o##j = _mm512_castsi512_ps(_mm512_and_si512(v##j, high));
+
+/* `mr` rows of x against one panel: x bf16 pairs through vdpbf16ps, or (widen) fp32 rows through
+ * the widened weight. mr and widen are literals at every call site, so the `mr > r` and `widen`
+ * tests fold away and the accumulators stay in registers (see csrc/gemm.c). */
 static inline __attribute__((always_inline)) void tile_rows(
-    void *out, int out_bf16, int64_t out_stride, const uint16_t *x, int64_t x_stride,
-    const uint16_t *panel, int64_t pairs, const int mr, int64_t cols, const float *bias) {
+    void *out, int out_bf16, int64_t out_stride, const void *x, int64_t x_stride,
+    const uint16_t *panel, int64_t pairs, const int mr, const int widen, int64_t cols,
+    const float *bias) {
     BF_ROW_DECLARE(0) BF_ROW_DECLARE(1) BF_ROW_DECLARE(2) BF_ROW_DECLARE(3)
     BF_ROW_DECLARE(4) BF_ROW_DECLARE(5) BF_ROW_DECLARE(6) BF_ROW_DECLARE(7)
+    const __m512i high = _mm512_set1_epi32((int32_t)0xffff0000u);
     for (int64_t i = 0; i < pairs; i++) {
         const uint16_t *b = panel + i * 2 * BF_PANEL;
         for (int j = 0; j < 2 * BF_PANEL; j += 32) PS_PREFETCH(b + BF_PREFETCH_PAIRS * 2 * BF_PANEL + j);
-        __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
-        __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-        __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
-        BF_ROW_DOT(0) BF_ROW_DOT(1) BF_ROW_DOT(2) BF_ROW_DOT(3)
-        BF_ROW_DOT(4) BF_ROW_DOT(5) BF_ROW_DOT(6) BF_ROW_DOT(7)
+        if (widen) {
+            BW_SPLIT(0) BW_SPLIT(1) BW_SPLIT(2)
+            BW_ROW_FMA(0) BW_ROW_FMA(1) BW_ROW_FMA(2) BW_ROW_FMA(3)
+            BW_ROW_FMA(4) BW_ROW_FMA(5) BW_ROW_FMA(6) BW_ROW_FMA(7)
+        } else {
+            __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+            __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+            __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 64);
+            BF_ROW_DOT(0) BF_ROW_DOT(1) BF_ROW_DOT(2) BF_ROW_DOT(3)
+            BF_ROW_DOT(4) BF_ROW_DOT(5) BF_ROW_DOT(6) BF_ROW_DOT(7)
+        }
     }
     __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0, bias2 = bias0;
     if (bias) {
@@ -111,69 +122,17 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 #define BF_TILE_CASE(m)                                                                     \
     case m:                                                                                 \
-        tile_rows(out, out_bf16, out_stride, x, x_stride, panel, pairs, m, cols, bias);     \
+        if (widen) tile_rows(out, out_bf16, out_stride, x, x_stride, panel, pairs, m, 1, cols, \
+                             bias);                                                         \
+        else tile_rows(out, out_bf16, out_stride, x, x_stride, panel, pairs, m, 0, cols, bias); \
         break;
 
-static void tile(void *out, int out_bf16, int64_t out_stride, const uint16_t *x, int64_t x_stride,
-                 const uint16_t *panel, int64_t pairs, int mr, int64_t cols, const float *bias) {
+static void tile(void *out, int out_bf16, int64_t out_stride, const void *x, int64_t x_stride,
+                 const uint16_t *panel, int64_t pairs, int mr, int widen, int64_t cols,
+                 const float *bias) {
     switch (mr) {
     BF_TILE_CASE(8) BF_TILE_CASE(7) BF_TILE_CASE(6) BF_TILE_CASE(5)
-    BF_TILE_CASE(4) BF_TILE_CASE(3) BF_TILE_CASE(2)
-    default: tile_rows(out, out_bf16, out_stride, x, x_stride, panel, pairs, 1, cols, bias); break;
-    }
-}
-
-/* The widening tile: the same packed pairs, each split into its even-k and odd-k columns as fp32
- * (a shift, a mask), then fp32 FMAs with fp32 activations. Where vdpbf16ps issues at a quarter
- * of the FMA rate (measured on this Xeon: 1.0 ns vs 0.28 ns per instruction, so half the
- * multiply-adds per second) this keeps fp32's compute speed with bf16's weight bytes. */
-#define BW_ROW_FMA(r)                                                                       \
-    if (mr > r) {                                                                           \
-        __m512 a0 = _mm512_set1_ps(x[r * x_stride + 2 * i]);                                \
-        __m512 a1 = _mm512_set1_ps(x[r * x_stride + 2 * i + 1]);                            \
-        c##r##0 = _mm512_fmadd_ps(a1, o0, _mm512_fmadd_ps(a0, e0, c##r##0));                \
-        c##r##1 = _mm512_fmadd_ps(a1, o1, _mm512_fmadd_ps(a0, e1, c##r##1));                \
-        c##r##2 = _mm512_fmadd_ps(a1, o2, _mm512_fmadd_ps(a0, e2, c##r##2));                \
-    }
-#define BW_SPLIT(j)                                                                         \
-    __m512i v##j = _mm512_loadu_si512(b + 32 * j);                                          \
-    __m512 e##j = _mm512_castsi512_ps(_mm512_slli_epi32(v##j, 16));                         \
-    __m512 o##j = _mm512_castsi512_ps(_mm512_and_si512(v##j, high));
-
-static inline __attribute__((always_inline)) void tile_rows_widen(
-    void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
-    const uint16_t *panel, int64_t pairs, const int mr, int64_t cols, const float *bias) {
-    BF_ROW_DECLARE(0) BF_ROW_DECLARE(1) BF_ROW_DECLARE(2) BF_ROW_DECLARE(3)
-    BF_ROW_DECLARE(4) BF_ROW_DECLARE(5) BF_ROW_DECLARE(6) BF_ROW_DECLARE(7)
-    const __m512i high = _mm512_set1_epi32((int32_t)0xffff0000u);
-    for (int64_t i = 0; i < pairs; i++) {
-        const uint16_t *b = panel + i * 2 * BF_PANEL;
-        for (int j = 0; j < 2 * BF_PANEL; j += 32) PS_PREFETCH(b + BF_PREFETCH_PAIRS * 2 * BF_PANEL + j);
-        BW_SPLIT(0) BW_SPLIT(1) BW_SPLIT(2)
-        BW_ROW_FMA(0) BW_ROW_FMA(1) BW_ROW_FMA(2) BW_ROW_FMA(3)
-        BW_ROW_FMA(4) BW_ROW_FMA(5) BW_ROW_FMA(6) BW_ROW_FMA(7)
-    }
-    __m512 bias0 = _mm512_setzero_ps(), bias1 = bias0, bias2 = bias0;
-    if (bias) {
-        bias0 = _mm512_loadu_ps(bias);
-        bias1 = _mm512_loadu_ps(bias + 16);
-        bias2 = _mm512_loadu_ps(bias + 32);
-    }
-    BF_ROW_STORE(0) BF_ROW_STORE(1) BF_ROW_STORE(2) BF_ROW_STORE(3)
-    BF_ROW_STORE(4) BF_ROW_STORE(5) BF_ROW_STORE(6) BF_ROW_STORE(7)
-}
-
-#define BW_TILE_CASE(m)                                                                     \
-    case m:                                                                                 \
-        tile_rows_widen(out, out_bf16, out_stride, x, x_stride, panel, pairs, m, cols, bias); \
-        break;
-
-static void tile_widen(void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
-                       const uint16_t *panel, int64_t pairs, int mr, int64_t cols, const float *bias) {
-    switch (mr) {
-    BW_TILE_CASE(8) BW_TILE_CASE(7) BW_TILE_CASE(6) BW_TILE_CASE(5)
-    BW_TILE_CASE(4) BW_TILE_CASE(3) BW_TILE_CASE(2)
-    default: tile_rows_widen(out, out_bf16, out_stride, x, x_stride, panel, pairs, 1, cols, bias); break;
+    BF_TILE_CASE(4) BF_TILE_CASE(3) BF_TILE_CASE(2) BF_TILE_CASE(1)
     }
 }
 
@@ -185,7 +144,7 @@ static void widen_rows(float *dst, int64_t width, const void *x, int x_bf16, int
         float *d = dst + r * width;
         if (x_bf16) {
             const uint16_t *s = (const uint16_t *)x + r * x_stride;
-            for (int64_t c = 0; c < k; c++) d[c] = bf16_to_float(s[c]);
+            for (int64_t c = 0; c < k; c++) d[c] = ps_bf16_to_float(s[c]);
         } else {
             memcpy(d, (const float *)x + r * x_stride, (size_t)k * sizeof *d);
         }
@@ -207,7 +166,7 @@ static void convert_rows(uint16_t *dst, int64_t width, const void *x, int x_bf16
             int64_t c = 0;
             for (; c + 16 <= k; c += 16)
                 _mm256_storeu_si256((__m256i *)(d + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c)));
-            for (; c < k; c++) d[c] = float_to_bf16(s[c]);
+            for (; c < k; c++) d[c] = ps_float_to_bf16(s[c]);
         }
         if (width > k) d[k] = 0;
     }
@@ -242,19 +201,15 @@ int pagedserve_linear_bf16(void *out, const void *x, int64_t x_stride, const uin
         float panel_bias[BF_PANEL] = {0};
         if (bias) {
             for (int64_t c = 0; c < cols; c++)
-                panel_bias[c] = dtypes & PS_BF16_BIAS ? bf16_to_float(((const uint16_t *)bias)[first_col + c])
+                panel_bias[c] = dtypes & PS_BF16_BIAS ? ps_bf16_to_float(((const uint16_t *)bias)[first_col + c])
                                                       : ((const float *)bias)[first_col + c];
         }
         const uint16_t *panel = packed + p * pairs * 2 * BF_PANEL;
         for (int64_t t = 0, r = 0; t < tiles; t++) {
             int mr = (int)((rows - r + (tiles - t) - 1) / (tiles - t));
             char *o = (char *)out + (size_t)(r * n + first_col) * (out_bf16 ? 2 : 4);
-            if (widen)
-                tile_widen(o, out_bf16, n, (const float *)xt + r * xt_stride, xt_stride, panel, pairs,
-                           mr, cols, bias ? panel_bias : NULL);
-            else
-                tile(o, out_bf16, n, (const uint16_t *)xt + r * xt_stride, xt_stride, panel, pairs,
-                     mr, cols, bias ? panel_bias : NULL);
+            const char *xr = (const char *)xt + r * xt_stride * (widen ? sizeof(float) : sizeof(uint16_t));
+            tile(o, out_bf16, n, xr, xt_stride, panel, pairs, mr, widen, cols, bias ? panel_bias : NULL);
             r += mr;
         }
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_features, native, norm_act, reference, torch_attention
+from kernels import cpu_features, native, native_attention, norm_act, reference, torch_attention
 from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 
 if not native.available():
@@ -39,8 +39,8 @@ def decode_rows(case: Case) -> torch.Tensor:
 def run_native(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
     out = torch.full(case.query.shape, fill)
     m = case.metadata
-    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                  case.scale)
+    native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                            m.query_start_loc, case.scale)
     return out
 
 
@@ -256,7 +256,7 @@ def test_bad_inputs_raise():
     m, q, cache = case.metadata, case.query, case.kv_cache
     args = dict(out=torch.empty_like(q), query=q, kv_cache=cache, block_tables=m.block_tables,
                 seq_lens=m.seq_lens, query_start_loc=m.query_start_loc, scale=case.scale)
-    native.paged_decode_attention(**args)
+    native_attention.paged_decode_attention(**args)
     bad = {
         "query": [q.double(), q.to(torch.bfloat16), q.transpose(1, 2), q[:, :3]],
         "out": [args["out"].double(), torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2),
@@ -272,7 +272,7 @@ def test_bad_inputs_raise():
     for name, values in bad.items():
         for value in values:
             with pytest.raises(ValueError):
-                native.paged_decode_attention(**{**args, name: value})
+                native_attention.paged_decode_attention(**{**args, name: value})
 
     x, weight = torch.randn(4, 64), torch.randn(64)
     for call in [lambda: native.rms_norm(torch.empty_like(x), x.double(), weight.double(), 1e-6),
@@ -303,8 +303,8 @@ def test_windowed_decode_matches_reference(shape, window, soft_cap):
     expected = reference.paged_attention(case.query, cache, case.metadata, case.scale, **kwargs)
     m = case.metadata
     out = torch.full(case.query.shape, float("nan"))
-    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                  case.scale, **kwargs)
+    native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                            m.query_start_loc, case.scale, **kwargs)
     assert_close(out, expected, torch.float32)
 
 
@@ -315,9 +315,9 @@ def test_windowed_decode_checks_only_the_window():
     m = case.metadata
     m.block_tables[0, :9] = -5  # positions 0..71: all before the window (80..99)
     out = torch.empty_like(case.query)
-    native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                                  case.scale, sliding_window=20)
+    native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                            m.query_start_loc, case.scale, sliding_window=20)
     m.block_tables[0, 10] = -5
     with pytest.raises(ValueError, match="block table entry"):
-        native.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
-                                      m.query_start_loc, case.scale, sliding_window=20)
+        native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                                m.query_start_loc, case.scale, sliding_window=20)
