@@ -41,6 +41,7 @@ class LLMEngine:
         # apply them, and the block manager drops the blocks no layer's window reaches).
         limit = self.runner.model.max_context_len
         self.max_model_len = min(config.max_model_len or limit, limit)
+        self.runner.model.set_max_model_len(self.max_model_len)  # Phi-3's longrope picks by it
         self.model_name = config.served_model_name or config.model or Path(self.model_dir).name
         self.block_size = config.block_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

@@ -18,6 +18,7 @@ from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata, kv_cache_shape
 from replicas.models.attention import layer_windows
 from replicas.models.layers import Embedding, Linear
+from replicas.models.rotary import RotaryEmbedding
 
 # Tensors some checkpoints carry that are buffers, not weights: causal-mask biases (GPT-2,
 # GPT-NeoX) and rotary frequencies.
@@ -71,6 +72,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The longest sequence the engine serves; rotary tables that depend on it follow it
+        (Phi-3's longrope factor set, picked once as vLLM does: see rotary.py)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.set_max_model_len(max_model_len)
 
     def pack_weights(self) -> None:
         """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""

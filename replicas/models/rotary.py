@@ -43,7 +43,7 @@ def rotary_dim(config, head_dim: int, params: dict) -> int:
 def inverse_frequencies(config, dim: int, params: dict | None = None) -> torch.Tensor:
     """[dim // 2] float32 inverse frequencies for a rotary dim of `dim`, rope scaling applied.
 
-    For longrope these are the short factors' (what positions within the original context use).
+    For longrope these are short_factor's (_longrope_table swaps in long_factor where it applies).
     """
     params = params or rope_parameters(config)
     rope_type = params["rope_type"]
@@ -77,47 +77,79 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _longrope_table(config, dim: int, params: dict, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+def longrope_uses_long_factors(params: dict, max_model_len: int) -> bool:
+    """Whether a longrope model serving sequences up to max_model_len rotates with long_factor.
+
+    transformers picks the factor set per forward, for every position at once, from the length of
+    the sequence: long once it exceeds original_max_position_embeddings, and `generate` drops its
+    cache at that point to recompute the whole sequence. A token's keys therefore depend on the
+    length of the sequence they end up in, not only on their prefix, which a paged KV cache shared
+    through prefix hashes cannot honour without recomputing every crossing sequence. So, as vLLM
+    does, the set is chosen once from max_model_len: a sequence then matches transformers whenever
+    its own length is on the same side of the threshold as max_model_len.
+    """
+    return max_model_len > params["original_max_position_embeddings"]
+
+
+def _longrope_table(config, dim: int, params: dict, positions: torch.Tensor,
+                    use_long: bool) -> tuple[torch.Tensor, float]:
     """Angles [positions, dim // 2] and the attention factor applied to cos and sin (Phi-3).
 
-    Positions from original_max_position_embeddings on use the long factors, each token by its
-    own position, so a token's rotation never depends on its batch or chunking. transformers
-    instead rotates a whole sequence with the long factors once it outgrows the original context
-    (recomputing its cache at that point): the two agree while a sequence fits it; past it our
-    earlier keys keep their short-factor rotation.
+    One factor set for every position; the attention factor is the same for both sets, from
+    `factor` or else max_position_embeddings / original_max_position_embeddings, as transformers
+    computes it.
     """
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or config.max_position_embeddings / original
     scaling = params.get("attention_factor")
     if scaling is None:
         scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    short = inverse_frequencies(config, dim, params)
-    long = inverse_frequencies(config, dim, dict(params, short_factor=params["long_factor"]))
-    inv_freq = torch.where((positions >= original)[:, None], long[None, :], short[None, :])
-    return positions[:, None] * inv_freq, scaling
+    if use_long:
+        params = dict(params, short_factor=params["long_factor"])
+    return positions[:, None] * inverse_frequencies(config, dim, params)[None, :], scaling
 
 
 class RotaryEmbedding(torch.nn.Module):
     """The cos | sin table for every position up to max_positions.
 
     Computed in float32 exactly as transformers does, then stored in the model dtype; a step
-    gathers its rows once and every layer reuses them through apply_rotary.
+    gathers its rows once and every layer reuses them through apply_rotary. A longrope table
+    holds the factor set longrope_uses_long_factors picks for max_model_len (default:
+    max_positions); set_max_model_len refills it in place.
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", layer_type: str | None = None):
+                 device: torch.device | str = "cpu", layer_type: str | None = None,
+                 max_model_len: int | None = None):
         super().__init__()
-        params = rope_parameters(config, layer_type)
-        self.rotary_dim = rotary_dim(config, head_dim, params)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        if params["rope_type"] == "longrope":
-            freqs, scaling = _longrope_table(config, self.rotary_dim, params, positions)
-        else:
-            freqs = positions[:, None] * inverse_frequencies(config, self.rotary_dim, params)[None, :]
-            scaling = 1.0
-        table = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-        self.register_buffer("cos_sin", table.to(dtype=dtype, device=device), persistent=False)
+        self.config = config
+        self.params = rope_parameters(config, layer_type)
+        self.rotary_dim = rotary_dim(config, head_dim, self.params)
         self.max_positions = max_positions
+        self.use_long_factors = self._uses_long_factors(max_model_len or max_positions)
+        self.register_buffer("cos_sin", self._table().to(dtype=dtype, device=device), persistent=False)
+
+    def _uses_long_factors(self, max_model_len: int) -> bool | None:
+        if self.params["rope_type"] != "longrope":
+            return None
+        return longrope_uses_long_factors(self.params, max_model_len)
+
+    def _table(self) -> torch.Tensor:
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        if self.use_long_factors is not None:
+            freqs, scaling = _longrope_table(self.config, self.rotary_dim, self.params, positions,
+                                             self.use_long_factors)
+        else:
+            freqs = positions[:, None] * inverse_frequencies(self.config, self.rotary_dim, self.params)[None, :]
+            scaling = 1.0
+        return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Refill the table (same buffer) if the longest served sequence changes the factor set."""
+        use_long = self._uses_long_factors(max_model_len)
+        if use_long != self.use_long_factors:
+            self.use_long_factors = use_long
+            self.cos_sin.copy_(self._table())
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, rotary_dim // 2]."""

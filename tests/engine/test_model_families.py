@@ -13,11 +13,10 @@ import transformers
 
 from replicas import LLM, SamplingParams
 from replicas.models import MODEL_REGISTRY, get_model_class
-from replicas.models.rotary import RotaryEmbedding
 from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family
 
 # Longer than Gemma's 8-token windows and than one 32-token chunk; within Phi-3's original
-# context (64), where transformers' longrope and ours agree.
+# context (64), which its max_model_len keeps it to (test_longrope.py: the other side).
 PROMPT_LENS = [1, 3, 8, 9, 17, 24, 33, 40]
 MAX_TOKENS = [12, 5, 10, 8, 12, 3, 10, 12]
 MODES = {  # a small KV pool everywhere: allocating the default 1 GiB would cost more than the test
@@ -26,6 +25,9 @@ MODES = {  # a small KV pool everywhere: allocating the default 1 GiB would cost
     # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants ~17
     "preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
 }
+# Per family: longrope picks short_factor, as transformers does for these lengths, only if no
+# longer sequence can be served.
+ENGINE_ARGS = {"phi3": dict(max_model_len=64)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
@@ -48,7 +50,7 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(family, mode):
-    llm = LLM(family.path, attention_backend="torch", **MODES[mode])
+    llm = LLM(family.path, attention_backend="torch", **MODES[mode], **ENGINE_ARGS.get(family.name, {}))
     prompt_logprobs = 1 if mode == "default" else None
     params = [SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=prompt_logprobs)
               for m in MAX_TOKENS]
@@ -75,23 +77,6 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
     for arch in ("GPT2LMHeadModel", "GPTNeoXForCausalLM", "OPTForCausalLM", "Qwen3ForCausalLM",
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         assert arch in MODEL_REGISTRY and arch in str(error.value)
-
-
-def test_phi3_longrope_switches_to_long_factors_past_the_original_context():
-    config = transformers.Phi3Config(**FAMILY_CONFIGS["phi3"][1], vocab_size=32)
-    original = config.rope_parameters["original_max_position_embeddings"]
-    ours = RotaryEmbedding(config, 16, 128, torch.float32)
-    hf = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(config)
-    x = torch.zeros(1, dtype=torch.float32)
-    short = torch.arange(original)[None]  # a forward within the original context: short factors
-    long = torch.arange(128)[None]  # one past it: long factors
-    for positions in (short, long):
-        cos, sin = hf(x, positions)
-        half = cos.shape[-1] // 2
-        rows = positions[0] if positions is short else positions[0, original:]
-        got_cos, got_sin = ours(rows)
-        torch.testing.assert_close(got_cos[:, 0], cos[0, -len(rows):, :half])
-        torch.testing.assert_close(got_sin[:, 0], sin[0, -len(rows):, :half])
 
 
 def test_checkpoints_without_the_head_prefix_load_the_same(tmp_path):
