@@ -220,6 +220,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="HF directory, or 'tiny' (the default)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--http", choices=("direct", "proxy"), default="direct",
+                        help="HTTP served by the ingress replicas (the default) or Ray Serve's proxy")
     parser.add_argument("--timeout-s", type=float, default=120.0,
                         help="client timeout: a request that takes longer counts as hung")
     args = parser.parse_args()
@@ -230,15 +232,18 @@ def main() -> None:
     from ray import serve
 
     from serve_app import build_app
+    from serve_app.app import start_serve
+    from serve_app.config import ServeSettings
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": args.model, "num_replicas": args.replicas,
-                         "replica_num_cpus": 2 / (args.replicas + 1), "num_threads": 1,
-                         "served_model_name": "soak", "max_num_seqs": 32,
-                         "kv_cache_memory_gb": 0.25, "health_check_period_s": 1.0}),
-              name=APP, route_prefix="/")
+    settings = ServeSettings.from_args({
+        "model": args.model, "num_replicas": args.replicas,
+        "replica_num_cpus": 2 / (args.replicas + 1), "num_threads": 1,
+        "served_model_name": "soak", "max_num_seqs": 32, "kv_cache_memory_gb": 0.25,
+        "health_check_period_s": 1.0, "host": "127.0.0.1", "port": port,
+        "direct_http": args.http == "direct"})
+    serve.run(build_app(start_serve(settings)), name=APP, route_prefix="/")
     began = time.monotonic()
     duration = args.minutes * 60
     soak = Soak("soak", began + duration, began + duration / 2)
