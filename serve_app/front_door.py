@@ -74,7 +74,8 @@ async def check_port_unclaimed(host: str, port: int, door_id: str) -> None:
             return
         owner = f"another pagedserve application ({owner_id})" if owner_id else "another server"
     raise RuntimeError(f"the ingress cannot serve {host}:{port}: {owner} listens there; choose "
-                       f"another `port`, or set direct_http=false to serve through Ray Serve's proxy")
+                       f"another `port`, or set direct_http=false to serve through Ray Serve's "
+                       f"proxy")
 
 
 class HTTPFrontDoor:

@@ -65,21 +65,23 @@ class Ingress:
         # them ready (a failure here is retried by the first request that needs them).
         self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_model_info())
         self.front_door = None
+        self._http_app = None
         if self.settings.http_port is not None:  # last: serve HTTP only once built
             from serve_app.front_door import HTTPFrontDoor
-            from serve_app.http import build_http_app
-            self.front_door = HTTPFrontDoor(build_http_app(self), self.settings.http_host,
-                                            self.settings.http_port,
-                                            self.settings.max_ongoing_requests,
-                                            self.settings.retry_after_s, _application_id())
+            self.front_door = HTTPFrontDoor(
+                self.__serve_build_asgi_app__(), self.settings.http_host, self.settings.http_port,
+                self.settings.max_ongoing_requests, self.settings.retry_after_s, _application_id())
             await self.front_door.start()
 
     def model_name(self) -> str:
         return self._info.name if self._info is not None else ""
 
     def __serve_build_asgi_app__(self):
-        from serve_app.http import build_http_app
-        return build_http_app(self)
+        """The HTTP app, built once: the front door and Ray Serve's proxy path share it."""
+        if self._http_app is None:
+            from serve_app.http import build_http_app
+            self._http_app = build_http_app(self)
+        return self._http_app
 
     async def __del__(self):
         """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP server."""
