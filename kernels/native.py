@@ -57,6 +57,8 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
     4: (MemoryError, "out of memory for the attention scratch buffers"),
     5: (RuntimeError, "this build has no such kernel (the packed GEMM needs AVX2 and FMA, "
                       "the bf16 one AVX512-BF16)"),
+    6: (ValueError, "quantized weight layout the kernel cannot run: bits must be 4 or 8 and the "
+                    "group size divide k (and be even for 4 bits)"),
 }
 _F32 = torch.float32
 
@@ -205,6 +207,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_linear_panel": [],
         "pagedserve_linear_bf16": [ptr, ptr, i64, ptr, ptr, i32, i64, i64, i64, i32],
         "pagedserve_linear_bf16_panel": [],
+        "pagedserve_quant_linear": [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, i32],
+        "pagedserve_quant_linear_panel": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -1,4 +1,5 @@
-"""Pure-torch paged attention and KV store: the spec every other backend must match.
+"""Pure-torch paged attention and KV store, and the value of a quantized weight: the spec every
+other backend and kernel must match.
 
 Written for clarity, one sequence at a time, computing in float32.
 
@@ -72,3 +73,23 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
         probs = torch.softmax(scores, dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def dequantize_weight(weight) -> torch.Tensor:
+    """A kernels.quantized.QuantWeight -> its float32 [n, k] value, in input-channel order."""
+    n, k = weight.shape
+    values = weight.values().float().view(n, k // weight.group_size, weight.group_size)
+    dense = (values * weight.scales.unsqueeze(-1) + weight.offsets.unsqueeze(-1)).view(n, k)
+    if weight.perm is None:
+        return dense
+    out = torch.empty_like(dense)
+    out[:, weight.perm] = dense
+    return out
+
+
+def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] . dequantize_weight(weight)^T (+ bias), computed in float32, in x's dtype."""
+    out = x.float() @ dequantize_weight(weight).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -13,6 +13,7 @@ enum {
     PS_BAD_BLOCK_ID = 3,
     PS_OUT_OF_MEMORY = 4,
     PS_UNSUPPORTED = 5,
+    PS_BAD_QUANT_LAYOUT = 6,
 };
 
 /* A hint only: compilers without the builtin lose speed, not correctness. */

@@ -3,10 +3,12 @@
 The interpreter checks the kernels' arithmetic but not that they compile: tl.dot shapes, dtypes
 and layouts are only checked by the compiler. This script records the launches that
 store_kv/paged_attention would make (kernels.triton_attention._launch is the one launch point),
-then runs Triton's compiler on each for sm_90 (H100/H200), down to a cubin (about 2 s each).
+and those of the quantized GEMM (kernels.triton_quant._launch), then runs Triton's compiler on
+each for sm_90 (H100/H200), down to a cubin (about 2 s each).
 Run it without TRITON_INTERPRET (test_triton_compile.py starts it in a subprocess).
 
-    python tests/kernels/compile_for_gpu.py  ->  prints "compiled N kernels"
+    python tests/kernels/compile_for_gpu.py  ->  prints "compiled N kernels" (attention), then
+                                                 "compiled M kernels of kernels.triton_quant"
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tests.kernels.kernel_cases import Case  # noqa: E402
-from kernels import triton_attention  # noqa: E402
+from kernels import triton_attention, triton_quant  # noqa: E402
+from kernels.quantized import QuantWeight, pack_values  # noqa: E402
 
 TARGETS = [GPUTarget("cuda", 90, 32)]  # add GPUTarget("cuda", 80, 32) for A100s
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -74,9 +77,42 @@ def record_launches():
     return launches
 
 
-def main(verbose: bool = "-v" in sys.argv) -> None:
+def record_quant_launches():
+    """The dequant-GEMM's variants: every M bucket, 4 and 8 bits, the k tiles groups of 32 and
+    128 give, split-K decode, bias, per-channel groups, fp16 and fp32 activations."""
+    launches = []
+
+    def record(kernel, grid, *args, **meta):
+        launches.append((kernel, args, meta))
+
+    def weight(n, k, bits, group_size):
+        values = torch.randint(0, 2**bits, (n, k))
+        scales = torch.rand(n, k // group_size)
+        return triton_quant.pack(QuantWeight(bits, group_size, pack_values(values, bits), scales, -scales),
+                                 "cpu")
+
+    triton_quant._launch = record
+    # The default model's q|k|v (n 960, k 576) in its GGUF groups of 32, its down projection
+    # (n 576, k 1536) in GPTQ-style groups of 128.
+    qkv = {bits: weight(960, 576, bits, 32) for bits in (4, 8)}
+    down = weight(576, 1536, 4, 128)
+    bf16 = torch.bfloat16
+    for rows in (1, 33, 300):
+        triton_quant.linear(torch.randn(rows, 576, dtype=bf16), qkv[4])
+        triton_quant.linear(torch.randn(rows, 1536, dtype=bf16), down)
+    for rows in (1, 300):
+        triton_quant.linear(torch.randn(rows, 576, dtype=bf16), qkv[8])
+        triton_quant.linear(torch.randn(rows, 1536, dtype=torch.float16), down)
+    triton_quant.linear(torch.randn(1, 1536, dtype=bf16), down, num_splits=4)
+    triton_quant.linear(torch.randn(1, 576, dtype=bf16), qkv[4], torch.randn(960, dtype=bf16))
+    triton_quant.linear(torch.randn(1, 1536), down)
+    triton_quant.linear(torch.randn(1, 576, dtype=bf16), weight(960, 576, 8, 576))
+    return launches
+
+
+def compile_all(launches, verbose: bool) -> int:
     seen, compiled = set(), 0
-    for kernel, args, meta in record_launches():
+    for kernel, args, meta in launches:
         options = {k: meta[k] for k in LAUNCH_OPTIONS if k in meta}
         constexpr_meta = {k: v for k, v in meta.items() if k not in LAUNCH_OPTIONS}
         signature, constexprs = signature_of(kernel, args, constexpr_meta)
@@ -92,7 +128,12 @@ def main(verbose: bool = "-v" in sys.argv) -> None:
             compiled += 1
             if verbose:
                 print(f"{kernel.fn.__name__} {constexprs} {time.perf_counter() - began:.1f}s", flush=True)
-    print(f"compiled {compiled} kernels")
+    return compiled
+
+
+def main(verbose: bool = "-v" in sys.argv) -> None:
+    print(f"compiled {compile_all(record_launches(), verbose)} kernels", flush=True)
+    print(f"compiled {compile_all(record_quant_launches(), verbose)} kernels of kernels.triton_quant")
 
 
 if __name__ == "__main__":

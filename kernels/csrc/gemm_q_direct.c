@@ -1,0 +1,139 @@
+/* The direct path of the quantized GEMM (csrc/gemm_q.c), for the few rows of decode steps: the
+ * panel's packed bytes stream from memory once; each vector is widened to fp32 in registers and
+ * multiplied into every row's accumulators of the fold block, sum_i x[r, i] * q[i, col], folded
+ * at the block's end as s * that + o * sum_i x[r, i]: one multiply-add per weight value and row,
+ * the scale and offset paid once per block. Decode is bound by weight bytes, and these are ~5x
+ * fewer than fp32's. */
+#include "gemm_q.h"
+
+#ifdef Q_HAVE_TILE
+
+/* The accumulators: per row r, vector v and parity p (even / odd k, kept apart at one or two
+ * rows, where one chain of dependent FMAs per accumulator, 4 cycles each, would bound the speed),
+ * sum_i x[r, i] * q[i, col] over the current fold block. */
+#define QD_DECLARE(r) qvec g##r##00 = qv_zero(), g##r##10 = g##r##00, g##r##20 = g##r##00,     \
+                           g##r##01 = g##r##00, g##r##11 = g##r##00, g##r##21 = g##r##00;
+#define QD_ROW_FMA(r, p)                                                                    \
+    if (mr > r) {                                                                           \
+        qvec a = qv_set1(xk[(r) * x_stride]);                                               \
+        g##r##0##p = qv_fma(a, w0, g##r##0##p);                                             \
+        if (Q_VECS > 1) g##r##1##p = qv_fma(a, w1, g##r##1##p);                             \
+        if (Q_VECS > 2) g##r##2##p = qv_fma(a, w2, g##r##2##p);                             \
+    }
+#define QD_ROWS_FMA(p)                                                                      \
+    QD_ROW_FMA(0, p) QD_ROW_FMA(1, p) QD_ROW_FMA(2, p) QD_ROW_FMA(3, p)                     \
+    QD_ROW_FMA(4, p) QD_ROW_FMA(5, p) QD_ROW_FMA(6, p) QD_ROW_FMA(7, p)
+/* The odd k's products: into their own accumulators where split, else the even ones'. */
+#define QD_ROWS_FMA_ODD                                                                     \
+    if (split) { QD_ROWS_FMA(1) } else { QD_ROWS_FMA(0) }
+#define QD_VEC_FOLD(r, v)                                                                   \
+    if (Q_VECS > v) {                                                                       \
+        qvec sum = split ? qv_add(g##r##v##0, g##r##v##1) : g##r##v##0;                     \
+        qvec c = qv_fma(qv_load(sg + (v) * QV), sum, qv_load(cr + (v) * QV));               \
+        qv_store(cr + (v) * QV, qv_fma(qv_load(sg + Q_PANEL + (v) * QV), xs, c));           \
+        g##r##v##0 = qv_zero();                                                             \
+        g##r##v##1 = g##r##v##0;                                                            \
+    }
+#define QD_ROW_FOLD(r)                                                                      \
+    if (mr > r) {                                                                           \
+        qvec xs = qv_set1(xsum[(r) * blocks + blk]);                                        \
+        float *cr = sums + (r) * Q_PANEL;                                                   \
+        QD_VEC_FOLD(r, 0) QD_VEC_FOLD(r, 1) QD_VEC_FOLD(r, 2)                               \
+    }
+#define QD_ROW_STORE(r)                                                                     \
+    if (mr > r) {                                                                           \
+        const float *cr = sums + (r) * Q_PANEL;                                             \
+        store_row(out, out_bf16, (r) * out_stride, (qvec[3]){qv_add(qv_load(cr), bias0),    \
+                  qv_add(qv_load(cr + QV % Q_PANEL), bias1),                                \
+                  qv_add(qv_load(cr + 2 * QV % Q_PANEL), bias2)}, cols);                    \
+    }
+
+/* `mr` rows of x against one panel's packed bytes (bits 4 or 8), folding every `block` k values
+ * (a divisor of group_size: see fold_block); xsum: [rows, k / block] sums of x over each block.
+ * mr and bits are literals at every call site. */
+static inline __attribute__((always_inline)) void direct_rows(
+    void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
+    const float *xsum, const uint8_t *q, const float *so, int64_t k, int64_t group_size,
+    int64_t block, const int bits, const int mr, int64_t cols, const float *bias) {
+    const int split = mr <= 2;
+    const int64_t blocks = k / block;
+    float sums[Q_DIRECT_TILE * Q_PANEL] = {0};
+    QD_DECLARE(0) QD_DECLARE(1) QD_DECLARE(2) QD_DECLARE(3)
+    QD_DECLARE(4) QD_DECLARE(5) QD_DECLARE(6) QD_DECLARE(7)
+    qvec w0 = qv_zero(), w1 = w0, w2 = w0;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const float *xk = x + blk * block;
+        const float *end = xk + block;
+        if (bits == 4) {
+            for (const uint8_t *b = q + blk * block / 2 * Q_PANEL; xk < end; xk += 2, b += Q_PANEL) {
+                PS_PREFETCH(b + Q_PREFETCH_BYTES);
+                Q_LOAD_INTS(lo, b, qv_low_nibble)
+                Q_FLOATS(lo)
+                QD_ROWS_FMA(0)
+                Q_LOAD_INTS(hi, b, qv_high_nibble)
+                Q_FLOATS(hi)
+                xk += 1;
+                QD_ROWS_FMA_ODD
+                xk -= 1;
+            }
+        } else {
+            const uint8_t *b = q + blk * block * Q_PANEL;
+            for (; xk + 1 < end; xk += 2, b += 2 * Q_PANEL) {
+                PS_PREFETCH(b + Q_PREFETCH_BYTES);
+                Q_LOAD_INTS(even, b, Q_IDENTITY)
+                Q_FLOATS(even)
+                QD_ROWS_FMA(0)
+                Q_LOAD_INTS(odd, b + Q_PANEL, Q_IDENTITY)
+                Q_FLOATS(odd)
+                xk += 1;
+                QD_ROWS_FMA_ODD
+                xk -= 1;
+            }
+            if (xk < end) {  /* an odd group size */
+                Q_LOAD_INTS(last, b, Q_IDENTITY)
+                Q_FLOATS(last)
+                QD_ROWS_FMA(0)
+            }
+        }
+        const float *sg = so + blk * block / group_size * 2 * Q_PANEL;
+        QD_ROW_FOLD(0) QD_ROW_FOLD(1) QD_ROW_FOLD(2) QD_ROW_FOLD(3)
+        QD_ROW_FOLD(4) QD_ROW_FOLD(5) QD_ROW_FOLD(6) QD_ROW_FOLD(7)
+    }
+    Q_LOAD_BIAS
+    QD_ROW_STORE(0) QD_ROW_STORE(1) QD_ROW_STORE(2) QD_ROW_STORE(3)
+    QD_ROW_STORE(4) QD_ROW_STORE(5) QD_ROW_STORE(6) QD_ROW_STORE(7)
+}
+
+#define Q_DIRECT(b) direct_rows(out, out_bf16, out_stride, x, x_stride, xsum, weights, so, k,  \
+                                group_size, block, b, mr_, cols, bias)
+
+/* One function per bits (and the scratch path's its own, in gemm_q.c): inlined into one function,
+ * GCC's register allocation of the scratch tile suffered (measured 2x slower at 64 rows). */
+void psq_direct_tile4(
+    void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
+    const float *xsum, const uint8_t *weights, const float *so, int64_t k, int64_t group_size,
+    int64_t block, int mr, int64_t cols, const float *bias) {
+    Q_CASES(Q_DIRECT(4), Q_DIRECT_TILE)
+}
+
+void psq_direct_tile8(
+    void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
+    const float *xsum, const uint8_t *weights, const float *so, int64_t k, int64_t group_size,
+    int64_t block, int mr, int64_t cols, const float *bias) {
+    Q_CASES(Q_DIRECT(8), Q_DIRECT_TILE)
+}
+
+/* The k values the direct path sums before folding them with the group's scale and offset: the
+ * group, or for groups over Q_FOLD_MAX (per-channel ones) the largest divisor of it up to that
+ * (even for 4 bits). s * sum(x q) + o * sum(x) over a long group of activations with a large mean
+ * cancels in its two terms: folding every 64 values keeps the error within ~1e-6 of the output's
+ * scale (measured 6e-5 at groups of 1536 folded once). */
+#define Q_FOLD_MAX 64
+int64_t psq_fold_block(int64_t group_size, int bits) {
+    if (group_size <= Q_FOLD_MAX) return group_size;
+    for (int64_t block = Q_FOLD_MAX; block > 2; block--)
+        if (group_size % block == 0 && (bits == 8 || block % 2 == 0)) return block;
+    return bits == 4 ? 2 : 1;
+}
+
+#endif

@@ -1,0 +1,104 @@
+"""The one in-memory form of a weight-only quantized [n, k] weight, whatever format it came from.
+
+Every checkpoint format (GGUF's Q4_0 ... Q6_K, GPTQ, AWQ, compressed-tensors) is converted at load
+into a QuantWeight, and every kernel (kernels/quant_linear.py on CPU, kernels/triton_quant.py on
+CUDA) packs a QuantWeight into its own layout. The value of a weight is
+
+    W[i, perm[j]] = scales[i, j // group_size] * q[i, j] + offsets[i, j // group_size]
+
+with q unsigned (0 .. 2**bits - 1): a signed or zero-pointed format folds its zero into the
+offset (GPTQ's (q - z) * s is s * q + (-z * s); Q8_0's d * q with q in -128..127 stores q + 128
+and offset -128 * d), so one formula and one kernel serve all of them. kernels/reference.py's
+dequantize_weight is the spec.
+
+Storage: bits 4 packs two values per byte, value 2c in the low nibble of byte c (value 2c + 1 in
+the high one); bits 8 is one byte per value. perm (optional, GPTQ's act-order) names for each
+stored column j the input channel it multiplies: y = x[:, perm] . W_stored^T.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (4, 8)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    bits: int
+    group_size: int
+    q: torch.Tensor  # uint8 [n, k * bits // 8]
+    scales: torch.Tensor  # float32 [n, k // group_size]
+    offsets: torch.Tensor  # float32 [n, k // group_size]
+    perm: torch.Tensor | None = None  # int64 [k]: stored column -> input channel
+
+    def __post_init__(self):
+        n, k = self.shape
+        groups = k // self.group_size if self.group_size else 0
+        if self.bits not in BITS:
+            raise ValueError(f"unsupported bits {self.bits}: supported are {BITS}")
+        if self.q.dtype != torch.uint8 or self.q.dim() != 2:
+            raise ValueError(f"q must be a 2-D uint8 tensor, got {self.q.dtype} {list(self.q.shape)}")
+        if self.group_size <= 0 or k % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide k = {k}")
+        for name in ("scales", "offsets"):
+            t = getattr(self, name)
+            if t.dtype != torch.float32 or tuple(t.shape) != (n, groups):
+                raise ValueError(f"{name} must be float32 [{n}, {groups}], got {t.dtype} {list(t.shape)}")
+        if self.perm is not None and tuple(self.perm.shape) != (k,):
+            raise ValueError(f"perm must have shape [{k}], got {list(self.perm.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features n, in_features k)."""
+        return self.q.shape[0], self.q.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets))
+
+    def values(self) -> torch.Tensor:
+        """The stored q as uint8 [n, k], one value per byte."""
+        if self.bits == 8:
+            return self.q
+        return torch.stack((self.q & 0xF, self.q >> 4), dim=-1).flatten(1)
+
+    def rows(self, rows: slice | torch.Tensor) -> "QuantWeight":
+        """The weight of some output rows (a tensor-parallel shard, an embedding lookup)."""
+        return QuantWeight(self.bits, self.group_size, self.q[rows], self.scales[rows],
+                           self.offsets[rows], self.perm)
+
+    def as_format(self, bits: int, group_size: int) -> "QuantWeight":
+        """The same values with more bits or smaller groups (both lossless): what lets weights of
+        different formats share one fused projection."""
+        if bits < self.bits or self.group_size % group_size:
+            raise ValueError(f"cannot convert {self.bits}-bit groups of {self.group_size} to "
+                             f"{bits}-bit groups of {group_size} without loss")
+        repeat = self.group_size // group_size
+        q = self.values() if bits == 8 and self.bits == 4 else self.q
+        return QuantWeight(bits, group_size, q.contiguous(),
+                           self.scales.repeat_interleave(repeat, dim=1),
+                           self.offsets.repeat_interleave(repeat, dim=1), self.perm)
+
+
+def pack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [n, k] values (each < 2**bits) -> QuantWeight.q's storage."""
+    values = values.to(torch.uint8)
+    if bits == 8:
+        return values.contiguous()
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Weights stacked along n (a fused q|k|v or gate|up), in the widest bits and smallest group
+    any part has; they must share the input-channel order."""
+    bits = max(p.bits for p in parts)
+    group = min(p.group_size for p in parts)
+    perms = [p.perm for p in parts]
+    if any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+           for a, b in zip(perms, perms[1:])):
+        raise ValueError("fused projections must share one input-channel order (act-order g_idx)")
+    parts = [p if (p.bits, p.group_size) == (bits, group) else p.as_format(bits, group) for p in parts]
+    return QuantWeight(bits, group, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
+                       torch.cat([p.offsets for p in parts]), perms[0])
