@@ -1,0 +1,95 @@
+"""Gathering a quantized linear's pieces (qweight, scales, zeros, ...) out of a tensor stream.
+
+Checkpoints store each quantized weight as several tensors named `<module>.<piece>`; they arrive
+one at a time, in file order, possibly split between shards. A module is converted as soon as
+its required pieces are in, so at most a few modules' packed tensors are held at once.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from kernels.quantized import QuantWeight
+
+# (name, tensor) -> (module, piece) when the tensor is a piece of a quantized weight, else None.
+PieceOf = Callable[[str, torch.Tensor], "tuple[str, str] | None"]
+
+
+def suffix_piece(pieces: tuple[str, ...]) -> PieceOf:
+    """Pieces recognised by their name's last component."""
+    def piece_of(name: str, tensor: torch.Tensor):
+        module, _, piece = name.rpartition(".")
+        return (module, piece) if module and piece in pieces else None
+    return piece_of
+
+
+def gather(named_tensors: Iterable[tuple[str, torch.Tensor]], piece_of: PieceOf,
+           required: Callable[[str], set[str]],
+           build: Callable[[str, dict[str, torch.Tensor]], QuantWeight],
+           ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Other tensors pass through; each module's pieces become one (`<module>.weight`,
+    build(module, pieces)) once `required(module)` are all in. A piece that arrives after its
+    module was built is one the build did not need (e.g. a trivial g_idx), and is dropped."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    built: set[str] = set()
+    for name, tensor in named_tensors:
+        found = piece_of(name, tensor)
+        if found is None:
+            yield name, tensor
+            continue
+        module, piece = found
+        if module in built:
+            continue
+        parts = pending.setdefault(module, {})
+        parts[piece] = tensor
+        if required(module) <= parts.keys():
+            del pending[module]
+            built.add(module)
+            yield f"{module}.weight", build(module, parts)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        missing = sorted(required(module) - parts.keys())
+        raise ValueError(f"quantized weight {module!r} lacks {', '.join(missing)} in the checkpoint"
+                         + (f" (and {len(pending) - 1} more modules are incomplete)" if len(pending) > 1 else ""))
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words each holding 32 // bits values (value i in bits [i * bits, (i + 1) * bits))
+    -> uint8 values, unpacked along `dim` (0 or 1) of a 2-D tensor."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"expected a 2-D int32 packed tensor, got {packed.dtype} {list(packed.shape)}")
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    if dim == 0:
+        values = (packed.unsqueeze(1) >> shifts.view(1, per_word, 1)) & (2 ** bits - 1)
+        return values.reshape(packed.shape[0] * per_word, packed.shape[1]).to(torch.uint8)
+    values = (packed.unsqueeze(-1) >> shifts) & (2 ** bits - 1)
+    return values.reshape(packed.shape[0], packed.shape[1] * per_word).to(torch.uint8)
+
+
+def act_order(g_idx: torch.Tensor | None, in_features: int, group_size: int, module: str
+              ) -> torch.Tensor | None:
+    """A g_idx (the group of each input channel) -> QuantWeight.perm, the channels sorted by
+    group so each stored group is contiguous; None when it is already the identity."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.long().flatten()
+    if g_idx.numel() != in_features:
+        raise ValueError(f"{module}: g_idx has {g_idx.numel()} entries for {in_features} input channels")
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(in_features) // group_size):
+        raise ValueError(f"{module}: g_idx does not give every group exactly {group_size} channels")
+    return None if torch.equal(perm, torch.arange(in_features)) else perm
+
+
+def quant_weight(values_kn: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: torch.Tensor | float,
+                 bits: int, group_size: int, perm: torch.Tensor | None) -> QuantWeight:
+    """Input-major unsigned values [k, n] with W = (q - zero) * scale per (group, column) ->
+    a QuantWeight (its offsets -zero * scale; columns stored in perm's order)."""
+    from kernels.quantized import pack_values
+    if perm is not None:
+        values_kn = values_kn[perm]
+    scales = scales_gn.float().t().contiguous()
+    offsets = (-(zeros_gn.float().t() if torch.is_tensor(zeros_gn) else zeros_gn) * scales).contiguous()
+    return QuantWeight(bits, group_size, pack_values(values_kn.t(), bits), scales, offsets, perm)
