@@ -30,6 +30,7 @@ from bench.serving_overhead import build_tiny
 APP = "pagedserve"
 RSS_GROWTH_LIMIT = 0.05
 SAMPLE_EVERY_S = 5.0
+LOADING_JUMP = 1.1  # a sample 10 % above the one before: a process still loading its model
 # A replica's death is seen by the routers within a few seconds: requests sent to it meanwhile
 # fail like the ones in flight on it.
 KILL_WINDOW_S = 5.0
@@ -191,17 +192,23 @@ def idle_replicas(num_replicas: int, timeout_s: float = 60.0) -> list[dict]:
 def rss_growth(samples: dict[int, list[tuple[float, float]]], names: dict, warm_until: float,
                own_warm_up_s: float) -> dict:
     """RSS at the end vs after warm-up, per process; one started late (the killed replica's
-    successor) warms up for own_warm_up_s from when it was first seen."""
+    successor) warms up for own_warm_up_s from the end of its loading (its last jump of more
+    than LOADING_JUMP in one sample: a model loads in seconds to a minute, depending on load)."""
     growth = {}
     first_round = min((points[0][0] for points in samples.values()), default=0.0)
     for pid, points in samples.items():
         late = points[0][0] > first_round + SAMPLE_EVERY_S
-        warm = max(warm_until, points[0][0] + own_warm_up_s) if late else warm_until
+        loaded = max((t for (t, v), (_, before) in zip(points[1:], points) if v > before * LOADING_JUMP),
+                     default=points[0][0])
+        warm = max(warm_until, loaded + own_warm_up_s) if late else warm_until
         after = [v for t, v in points if t >= warm]
         if len(after) >= 2:
+            # A value a minute shows the curve: a plateau (allocator pools filling) or a slope.
+            per_minute = [round(v, 1) for i, v in enumerate(after) if i % int(60 / SAMPLE_EVERY_S) == 0]
             growth[f"{names[pid]}[{pid}]"] = {"warm_mb": round(after[0], 1),
                                              "end_mb": round(after[-1], 1),
-                                             "growth": round(after[-1] / after[0] - 1, 4)}
+                                             "growth": round(after[-1] / after[0] - 1, 4),
+                                             "per_minute_mb": per_minute}
     return growth
 
 
@@ -290,7 +297,8 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("requests", "requests_per_s", "by_kind", "by_status",
                                              "5xx_in_flight_on_killed_replica", "stray_5xx")}))
     for name, values in growth.items():
-        print(f"  {name}: {values['warm_mb']} -> {values['end_mb']} MB ({values['growth']:+.1%})")
+        print(f"  {name}: {values['warm_mb']} -> {values['end_mb']} MB ({values['growth']:+.1%}); "
+              f"each minute {values['per_minute_mb']}")
     for check, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {check}")
     print(f"wrote {path}")

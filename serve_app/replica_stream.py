@@ -16,7 +16,7 @@ from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from serve_app import errors
 from serve_app.errors import OpenAIError
-from serve_app.routing.replica_events import on_replica_lost
+from serve_app.routing import replica_events
 from serve_app.stream_pacer import StreamPacer
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class OutputChannels:
         self._retry_at: dict[str, float] = {}
         self._calls: dict[str, str] = {}  # Ray Serve's internal id of a call -> our request id
         self.retry_after_s = retry_after_s
-        on_replica_lost(self._replica_lost)
+        replica_events.on_replica_lost(self._replica_lost)
 
     def register(self, request_id: str) -> OutputQueue:
         self._queues[request_id] = queue = OutputQueue()
@@ -54,6 +54,9 @@ class OutputChannels:
         self._queues.pop(request_id, None)
         if call_id is not None:
             self._calls.pop(call_id, None)
+            # Ray Serve does not report the end of every call to the router (a call cancelled
+            # early may never be), so the router's record of it ends here too.
+            replica_events.completed(call_id)
 
     def track(self, call_id: str | None, request_id: str) -> None:
         """The call carrying request_id: failed here if the router sees its replica die."""
@@ -125,8 +128,8 @@ class ReplicaStream:
 
     async def prime(self) -> None:
         try:
+            self.call_id = _own_call_id()
             self.generator = self.send()
-            self.call_id = _current_call_id()
             self.channels.track(self.call_id, self.request_id)
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
             self.first = await self.queue.get()
@@ -219,10 +222,18 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
     return errors.internal_error(cause)
 
 
-def _current_call_id() -> str | None:
-    """The internal request id Ray Serve gives the call just made from this task."""
+def _own_call_id() -> str:
+    """The internal request id Ray Serve will give the call this task makes next. Behind Ray
+    Serve's proxy the request has one; on the ingress's own HTTP server it has none (a handle
+    would draw a fresh one we could not know), so it gets one here."""
+    import dataclasses
+
     from ray.serve import context
-    return context._get_serve_request_context()._internal_request_id or None
+    current = context._get_serve_request_context()
+    if not current._internal_request_id:
+        context._serve_request_context.set(dataclasses.replace(
+            current, _internal_request_id=uuid.uuid4().hex))
+    return context._get_serve_request_context()._internal_request_id
 
 
 def as_own_call(send: Callable[[], Any], index: int) -> Callable[[], Any]:
@@ -237,7 +248,7 @@ def as_own_call(send: Callable[[], Any], index: int) -> Callable[[], Any]:
         from ray.serve import context
         parent = context._get_serve_request_context()
         context._serve_request_context.set(dataclasses.replace(
-            parent, _internal_request_id=f"{parent._internal_request_id or 'call'}-{index}"))
+            parent, _internal_request_id=f"{parent._internal_request_id or uuid.uuid4().hex}-{index}"))
         return send()  # in prime()'s own task, so the new id stays with this call
     return call
 

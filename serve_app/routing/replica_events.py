@@ -7,6 +7,7 @@ the process's one instance that the ingress imports too.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 # (app, deployment) -> {replica id: wall clock of its engine's last sampled token, or None}
@@ -15,6 +16,12 @@ _last_generation: dict[tuple[str, str], dict[str, float | None]] = {}
 # replica that was killed does not always end (seen under load with Ray Serve 2.60), so the
 # ingress fails those calls itself when the router learns of the death.
 _in_flight: dict[str, str] = {}
+# Calls Ray Serve reported ended, for RECENTLY_ENDED_S: call -> (replica id, when). Ray reports
+# a call to a killed replica as ended before it reports the death, and the ingress's stream of
+# that call may still never end, so the death fails these too (the ingress's own end of a call,
+# completed(), forgets it at once).
+_recently_ended: dict[str, tuple[str, float]] = {}
+RECENTLY_ENDED_S = 30.0
 _lost_listeners: list[Callable[[str, set[str]], None]] = []
 
 
@@ -33,14 +40,32 @@ def routed(call_id: str, replica_id: str) -> None:
         _in_flight[call_id] = replica_id
 
 
+def ended(call_id: str) -> None:
+    """Ray Serve reported the call's end (its router's on_request_completed)."""
+    replica_id = _in_flight.pop(call_id, None)
+    if replica_id is None:
+        return
+    now = time.monotonic()
+    _recently_ended[call_id] = (replica_id, now)
+    while _recently_ended:  # oldest first: insertion order
+        oldest = next(iter(_recently_ended))
+        if now - _recently_ended[oldest][1] < RECENTLY_ENDED_S:
+            break
+        del _recently_ended[oldest]
+
+
 def completed(call_id: str) -> None:
+    """The ingress is done with the call."""
     _in_flight.pop(call_id, None)
+    _recently_ended.pop(call_id, None)
 
 
 def replica_died(replica_id: str) -> None:
     lost = {call for call, replica in _in_flight.items() if replica == replica_id}
+    lost |= {call for call, (replica, _) in _recently_ended.items() if replica == replica_id}
     for call in lost:
-        del _in_flight[call]
+        _in_flight.pop(call, None)
+        _recently_ended.pop(call, None)
     for listener in _lost_listeners:
         listener(replica_id, lost)
 

@@ -126,7 +126,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.metrics.record_decision(reason)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replica_events.completed(internal_request_id)
+        replica_events.ended(internal_request_id)
         if hasattr(self, "state"):
             self.state.completed(internal_request_id)
 
