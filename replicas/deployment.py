@@ -273,6 +273,9 @@ class EngineReplica:
         """Ray Serve calls this periodically; raising marks the replica unhealthy (restarted)."""
         if not self.engine.is_healthy():
             raise RuntimeError("the engine loop is not running")
+        inner = getattr(self.engine, "engine", None)
+        if hasattr(inner, "check_health"):  # its tensor-parallel ranks: one gone fails it all
+            inner.check_health()
         stats = self.engine.stats()
         now = time.monotonic()
         busy = stats.get("num_waiting", 0) + stats.get("num_running", 0) > 0
@@ -298,6 +301,9 @@ class EngineReplica:
         shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
         if shutdown is not None:
             shutdown()
+        inner_shutdown = getattr(getattr(getattr(self, "engine", None), "engine", None), "shutdown", None)
+        if inner_shutdown is not None:  # its tensor-parallel ranks
+            inner_shutdown()
 
 
 class _ReplicaMetrics:

@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from replicas.default_model import (_file_lock, _publish, cache_root, check_model_dir,
+from replicas.default_model import (_file_lock, _publish, cache_root, check_model_dir, is_gguf,
                                     is_complete, COMPLETE_MARKER, CONVERSION_VERSION)
 
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -82,6 +82,8 @@ def resolve_model_name(model: str | None) -> str | None:
 
 def is_encoder_model(model_dir: str | Path) -> bool:
     """Whether a checkpoint is served by the encoder (embedding-only) path."""
+    if is_gguf(model_dir):  # the formats GGUF holds here are all decoders
+        return False
     config = json.loads((Path(model_dir) / "config.json").read_text())
     architectures = set(config.get("architectures") or [])
     if architectures:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from replicas.block_manager import BlockManager, kv_window_of
 from replicas.config import EngineConfig
-from replicas.default_model import resolve_model
+from replicas.default_model import DEFAULT_MODEL_NAME, resolve_model
 from replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from replicas.errors import StepFailed
+from replicas.model_loader import resolve_device, tokenizer_path
 from replicas.model_runner import ModelRunner, RunnerOutput
 from replicas.outputs import RequestOutput
 from replicas.request import Request
@@ -33,8 +34,8 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.model_dir = resolve_model(config.model, default_format=_default_model_format(config))
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config.tokenizer or self.model_dir))
         self.token_decoder = TokenDecoder(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
         # Past the rotary table outputs would be wrong (sliding windows need no cap: the kernels
@@ -42,7 +43,7 @@ class LLMEngine:
         limit = self.runner.model.max_context_len
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.runner.model.set_max_model_len(self.max_model_len)  # Phi-3's longrope picks by it
-        self.model_name = config.served_model_name or config.model or Path(self.model_dir).name
+        self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME
         self.block_size = config.block_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         self.block_manager = BlockManager(
@@ -154,6 +155,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """RuntimeError when part of the engine (a tensor-parallel rank) has died."""
+        self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the runner's tensor-parallel ranks, if any; the engine is unusable after."""
+        self.runner.shutdown()
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -302,6 +311,12 @@ class LLMEngine:
             for token_id, logprob in position.items():
                 if logprob.decoded_token is None:
                     logprob.decoded_token = self.token_decoder.decode_token(token_id)
+
+
+def _default_model_format(config: EngineConfig) -> str:
+    if config.default_model_format != "auto":
+        return config.default_model_format
+    return "float32" if resolve_device(config.device).type == "cuda" else "gguf"
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:

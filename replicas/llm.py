@@ -28,6 +28,11 @@ class LLM:
         self.llm_engine = LLMEngine(config) if self.encoder is None else None
         self._request_ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (also done at exit)."""
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return (self.encoder or self.llm_engine).tokenizer
 

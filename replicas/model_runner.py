@@ -1,7 +1,8 @@
 """The data plane of one step: SchedulerOutput -> tensors -> model -> logits -> sampled tokens.
 
 The runner owns the model, the paged KV cache tensors, the persistent input batch and the sampler.
-It reads the scheduler's sequences but never mutates them.
+It reads the scheduler's sequences but never mutates them. Under tensor parallelism it is rank 0:
+it holds its own shard and sends each step's input to the other ranks (replicas/parallel).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from replicas.config import EngineConfig
 from replicas.input_batch import InputBatch
 from replicas.model_loader import DTYPES, load_model
 from replicas.outputs import PositionLogprobs
+from replicas.parallel import state as parallel_state
 from replicas.pooling import PromptPooler
 from replicas.sampler import Sampler, compute_prompt_logprobs
 from replicas.scheduler import SchedulerOutput
@@ -43,11 +45,19 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu" and config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.workers = None  # ranks 1.. under tensor parallelism
+        tp = parallel_state.SINGLE
+        num_threads = config.num_threads
+        if config.tensor_parallel_size > 1:
+            from replicas.parallel.executor import Workers, threads_per_rank
+            self.workers = Workers(config, model_dir, self.device)
+            tp, num_threads = self.workers.tp, threads_per_rank(config)
+        if self.device.type == "cpu" and num_threads:
+            torch.set_num_threads(num_threads)
         self.model, self.hf_config, self.dtype = load_model(
             model_dir, dtype=config.dtype, device=str(self.device),
-            attention_backend=config.attention_backend)
+            attention_backend=config.attention_backend, tp=tp,
+            quantization=config.quantization)
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         if self.kv_cache_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("kv_cache_dtype other than the model dtype is supported on CPU only")
@@ -57,11 +67,13 @@ class ModelRunner:
                          "cpu": cpu_linear.describe(self.dtype) if self.device.type == "cpu" else None}
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_kv_heads = self.model.num_local_kv_heads  # this rank's, in its cache
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
+        if self.workers is not None:  # every rank's cache has the same blocks (of its heads)
+            self.workers.start(self.num_blocks)
         shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
                           for _ in range(self.num_layers)]
@@ -101,8 +113,11 @@ class ModelRunner:
         for seq in out.preempted:  # its blocks are gone; it rejoins with a new table
             self.input_batch.release(seq.seq_id)
         step = self.input_batch.prepare(out.scheduled)
+        spans = self._prompt_logprob_spans(out, step.query_start_loc)
+        if self.workers is not None:
+            self._send_step(step, spans)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.metadata)
-        prompt_logprobs = self._prompt_logprobs(out, hidden, step.query_start_loc)
+        prompt_logprobs = self._prompt_logprobs(spans, hidden)
         pooled = self.pooler.update(out.scheduled, hidden, step.query_start_loc)
         if not step.sampling_seqs:
             return RunnerOutput([], [], prompt_logprobs, pooled)
@@ -110,15 +125,32 @@ class ModelRunner:
         sampled = self.sampler(logits, step.sampling_seqs)
         return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs, pooled)
 
+    def check_health(self) -> None:
+        """RuntimeError when a tensor-parallel rank has died (the replica must be replaced)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def _send_step(self, step, spans) -> None:
+        from replicas.parallel.worker import StepInput
+        rows = [(first, last - start) for _, start, last, first in spans]
+        self.workers.send(StepInput.of(step.input_ids, step.positions, step.metadata, rows,
+                                       step.logits_indices if step.sampling_seqs else None))
+
     def release(self, seq_id: int) -> None:
         """A finished or aborted sequence: free its input-batch row and its sampler state."""
         self.input_batch.release(seq_id)
         self.sampler.release(seq_id)
         self.pooler.release(seq_id)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, query_start_loc: np.ndarray
-                         ) -> dict[int, tuple[int, list[PositionLogprobs]]]:
-        result = {}
+    def _prompt_logprob_spans(self, out: SchedulerOutput, query_start_loc: np.ndarray) -> list:
+        """(seq, first prompt position, last, first hidden row) of each sequence whose prompt
+        logprobs this step computes, in order (every tensor-parallel rank makes these calls)."""
+        spans = []
         for i, item in enumerate(out.scheduled):
             seq = item.seq
             num_logprobs = seq.sampling_params.prompt_logprobs
@@ -128,8 +160,14 @@ class ModelRunner:
             last = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)  # next token is a prompt token
             if start >= last:
                 continue
-            first = int(query_start_loc[i])
+            spans.append((seq, start, last, int(query_start_loc[i])))
+        return spans
+
+    def _prompt_logprobs(self, spans: list, hidden: torch.Tensor
+                         ) -> dict[int, tuple[int, list[PositionLogprobs]]]:
+        result = {}
+        for seq, start, last, first in spans:
             logits = self.model.compute_logits(hidden[first:first + last - start])
             result[seq.seq_id] = (start, compute_prompt_logprobs(
-                logits, seq.token_ids[start + 1:last + 1], num_logprobs))
+                logits, seq.token_ids[start + 1:last + 1], seq.sampling_params.prompt_logprobs))
         return result

@@ -28,6 +28,10 @@ ROUTING_STATS_PERIOD_S = 1.0
 # its own thread), so they take Ray's "throughput optimized" placement.
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+# The ingress allocates and frees small buffers for every request from many of Ray's threads;
+# glibc's default of one malloc arena per thread (up to 8 per core) fragments them, and its RSS
+# crept up ~4 MB a minute under the soak's load (bench/soak.py), ~1.7 MB with two arenas.
+INGRESS_ENV = {**REPLICA_ENV, "MALLOC_ARENA_MAX": "2"}
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
@@ -43,6 +47,12 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
         ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": settings.replica_num_gpus,
                            "runtime_env": {"env_vars": REPLICA_ENV}},
     )
+    bundles = settings.placement_group_bundles
+    if bundles is not None:  # tensor parallelism: the replica is rank 0, in the first bundle
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = settings.placement_group_strategy
+        options["ray_actor_options"].update(num_cpus=bundles[0]["CPU"],
+                                            num_gpus=bundles[0].get("GPU", 0))
     if settings.autoscaling:
         min_replicas = settings.min_replicas if settings.min_replicas is not None else 1
         max_replicas = settings.max_replicas or max(min_replicas, settings.num_replicas)
@@ -82,13 +92,14 @@ def ingress_options(settings: ServeSettings) -> dict[str, Any]:
                 graceful_shutdown_timeout_s=settings.drain_s,
                 logging_config={"enable_access_log": settings.access_log},
                 ray_actor_options={"num_cpus": settings.ingress_num_cpus,
-                                   "runtime_env": {"env_vars": REPLICA_ENV}})
+                                   "runtime_env": {"env_vars": INGRESS_ENV}})
 
 
 def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Application:
     """The application: `serve.run(build_app({...}), name="pagedserve", route_prefix="/")`."""
     if not isinstance(settings, ServeSettings):
         settings = ServeSettings.from_args(settings)
+    check_cluster_fits(settings)
     replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
         settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s,
         settings.probe_interval_s)
@@ -106,8 +117,35 @@ def checked_settings(args: dict[str, Any]) -> ServeSettings:
     """Settings from a command line (`serve run`'s or `pagedserve serve`'s), model included."""
     settings = ServeSettings.from_args(args)
     if settings.engine.model is not None:  # fail here, not in every replica's constructor
-        check_model_dir(resolve_model_name(settings.engine.model))  # a short name: unpacked
+        model_dir = check_model_dir(resolve_model_name(settings.engine.model))  # a short name: unpacked
+        if settings.engine.tensor_parallel_size > 1:
+            check_model_splits(model_dir, settings.engine.tensor_parallel_size)
     return settings
+
+
+def check_model_splits(model_dir, tensor_parallel_size: int) -> None:
+    """The model's heads (and architecture) allow tensor_parallel_size, before any replica starts."""
+    from replicas.model_loader import load_config
+    from replicas.models import get_model_class
+    from replicas.parallel.sharding import check_tensor_parallel
+    hf_config = load_config(model_dir)
+    check_tensor_parallel(hf_config, tensor_parallel_size, get_model_class(hf_config))
+
+
+def check_cluster_fits(settings: ServeSettings) -> None:
+    """ValueError naming both numbers when one replica's ranks need more than the Ray cluster
+    has (its placement group would wait forever)."""
+    import ray
+    bundles = settings.placement_group_bundles
+    if bundles is None or not ray.is_initialized():
+        return
+    have = ray.cluster_resources()
+    for resource in ("CPU", "GPU"):
+        need = sum(b.get(resource, 0) for b in bundles)
+        if need > have.get(resource, 0):
+            raise ValueError(f"tensor_parallel_size ({len(bundles)}) needs {need:g} {resource}s per "
+                             f"replica ({bundles[0][resource]:g} per rank) but the Ray cluster has "
+                             f"{have.get(resource, 0):g}")
 
 
 def start_serve(settings: ServeSettings) -> ServeSettings:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -79,6 +79,9 @@ class ServeSettings(RequestLimits):
     downscale_delay_s: float | None = Field(None, ge=0)
     replica_num_cpus: float | None = Field(None, ge=0)  # None: the engine's num_threads
     replica_num_gpus: float = Field(0, ge=0)
+    # Under tensor_parallel_size > 1 a replica reserves one placement-group bundle per rank (the
+    # replica itself runs rank 0 in the first): STRICT_PACK keeps the ranks on one node.
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     # Requests Ray sends one replica at once; None: the engine's max_num_seqs.
     replica_max_ongoing_requests: int | None = Field(None, ge=1)
     # Requests waiting for a replica in one ingress before it answers 429 (-1: unbounded).
@@ -160,6 +163,26 @@ class ServeSettings(RequestLimits):
         if self.replica_num_cpus is not None:
             return self.replica_num_cpus
         return float(self.engine.num_threads or 1)
+
+    @property
+    def rank_cpus(self) -> float:
+        """CPUs of each tensor-parallel rank's bundle: its torch threads (num_threads shared
+        out, at least 1), or an equal share of replica_num_cpus where that is set."""
+        tp = self.engine.tensor_parallel_size
+        if self.replica_num_cpus is not None:
+            return self.replica_num_cpus / tp
+        return float(max(1, (self.engine.num_threads or 1) // tp))
+
+    @property
+    def placement_group_bundles(self) -> list[dict[str, float]] | None:
+        """One bundle per rank under tensor parallelism (GPU replicas: a GPU each); else None."""
+        tp = self.engine.tensor_parallel_size
+        if tp == 1:
+            return None
+        bundle = {"CPU": self.rank_cpus}
+        if self.replica_num_gpus or self.engine.device == "cuda":
+            bundle["GPU"] = 1.0
+        return [dict(bundle) for _ in range(tp)]
 
     @property
     def probe_interval_s(self) -> float:

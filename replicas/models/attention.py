@@ -11,6 +11,8 @@ from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
 from replicas.models.layers import Linear, RMSNorm
 from replicas.models.rotary import apply_rotary
+from replicas.parallel import state as parallel_state
+from replicas.parallel.sharding import kv_heads_per_rank
 
 
 def layer_windows(config) -> list[int | None]:
@@ -44,7 +46,9 @@ class Attention(nn.Module):
     """hidden [T, hidden] -> attention output [T, hidden] for the step's packed tokens.
 
     q|k|v come from one fused projection (its rows: all q heads, then k heads, then v heads);
-    sliding_window and logits_soft_cap are handed to the backend only where set.
+    sliding_window and logits_soft_cap are handed to the backend only where set. Under tensor
+    parallelism the heads are this rank's (its q heads and their KV heads, replicated where there
+    are fewer KV heads than ranks), and o_proj's partial sums are all-reduced.
     """
 
     def __init__(self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -54,6 +58,9 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.tp = parallel_state.current()
+        num_heads //= self.tp.world_size
+        num_kv_heads = kv_heads_per_rank(num_kv_heads, self.tp.world_size)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
@@ -87,4 +94,5 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
         out = self.backend.paged_attention(q, kv_cache, attn_metadata, self.scale, **self.attention_kwargs)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.tp.world_size == 1 else self.tp.all_reduce(out)

@@ -16,9 +16,12 @@ from torch import nn
 from kernels import cpu_linear
 from kernels.backend import AttentionBackend, get_attention_backend
 from kernels.metadata import AttentionMetadata, kv_cache_shape
+from kernels.quantized import QuantWeight
 from replicas.models.attention import layer_windows
-from replicas.models.layers import Embedding, Linear
+from replicas.models.layers import Embedding, Linear, materialize, pack_quantized, quantized_linear
 from replicas.models.rotary import RotaryEmbedding
+from replicas.parallel import state as parallel_state
+from replicas.parallel.sharding import Shard, kv_heads_per_rank, read_shard
 
 # Tensors some checkpoints carry that are buffers, not weights: causal-mask biases (GPT-2,
 # GPT-NeoX) and rotary frequencies.
@@ -42,6 +45,8 @@ class CausalLM(nn.Module):
 
     checkpoint_prefix = "model."  # what a base-model checkpoint's names lack (e.g. OPT's "decoder.")
     lm_head_name = "lm_head.weight"  # the output embedding's name in checkpoints
+    # A family that says how its checkpoint tensors shard (checkpoint_shard) sets it.
+    supports_tensor_parallel = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto",
@@ -59,15 +64,20 @@ class CausalLM(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
+        # This rank's share (all of it at tensor_parallel_size 1): its KV heads and vocab rows.
+        self.tp = parallel_state.current()
+        self.num_local_kv_heads = kv_heads_per_rank(self.num_kv_heads, self.tp.world_size)
+        self.vocab_start, self.vocab_stop = self.tp.vocab_range(self.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.final_logit_soft_cap: float | None = None
         self.sliding_windows = layer_windows(config)  # the backend applies them: no cap at a window
         self.max_context_len = config.max_position_embeddings  # the rotary / position table's end
-        self.tied_lm_head_packed: cpu_linear.PackedWeight | None = None
+        self.tied_lm_head_packed = None  # cpu_linear's or pack_quantized's packing of a tied lm_head
+        self.tied_lm_head_quantized = False
 
     def _init_lm_head(self, embedding: Embedding, in_features: int) -> None:
         self.lm_head = embedding if self.tie_word_embeddings else Linear(
-            in_features, self.vocab_size, False, self.dtype, self.device)
+            in_features, self.vocab_stop - self.vocab_start, False, self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -82,25 +92,32 @@ class CausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(name)
         if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
-            self.tied_lm_head_packed = cpu_linear.pack(self.lm_head.weight)
+            quantized = self.lm_head.quantized
+            self.tied_lm_head_quantized = quantized is not None
+            self.tied_lm_head_packed = (cpu_linear.pack(self.lm_head.weight) if quantized is None
+                                        else pack_quantized(quantized, self.device))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        if self.tie_word_embeddings:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] float32 (under tensor parallelism: on rank 0, None elsewhere)."""
+        if self.tied_lm_head_quantized:
+            logits = quantized_linear(hidden, self.tied_lm_head_packed)
+        elif self.tie_word_embeddings:
             logits = cpu_linear.linear(hidden, self.lm_head.weight, self.tied_lm_head_packed)
         else:
             logits = self.lm_head(hidden)
+        if self.tp.world_size > 1 and (logits := self.tp.gather_vocab(logits, self.vocab_size)) is None:
+            return None
         if self.final_logit_soft_cap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / self.final_logit_soft_cap) * self.final_logit_soft_cap
         return logits.float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""
-        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return kv_cache_shape(num_blocks, block_size, self.num_local_kv_heads, self.head_dim)
 
     # -- checkpoint loading ------------------------------------------------------------------
 
@@ -108,12 +125,32 @@ class CausalLM(nn.Module):
         """The checkpoint tensors our parameter `name` is made of, with the rows each one fills."""
         return [(self.lm_head_name if name == "lm_head.weight" else name, None)]
 
+    def checkpoint_shard(self, hf_name: str, name: str) -> Shard | None:
+        """The part of checkpoint tensor `hf_name` (loaded into our `name`) this rank holds;
+        None: all of it. Only asked under tensor parallelism."""
+        return None
+
     def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as our parameter stores it (a transpose, a row order, an offset)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, casting to the model dtype; fails on missing or unknown names."""
+    def convert_quantized(self, hf_name: str, weight: QuantWeight) -> QuantWeight:
+        """convert() for a quantized projection or embedding: the identity, unless the family's
+        convert() changes such weights (then it says how to reorder rows, or refuses)."""
+        if type(self).convert is CausalLM.convert:
+            return weight
+        # Ask convert() what it does to a column of row numbers: nothing, a row order (GPT-NeoX's
+        # q/k/v), or a transpose (GPT-2's Conv1D), which a quantized layout cannot follow.
+        probe = torch.arange(weight.shape[0], dtype=torch.float32).unsqueeze(1)
+        moved = self.convert(hf_name, probe)
+        if moved.shape != probe.shape:
+            raise ValueError(f"{type(self).__name__} cannot load {hf_name!r} quantized: its "
+                             "checkpoint layout is transposed on loading")
+        return weight if torch.equal(moved, probe) else weight.rows(moved[:, 0].long())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Copy HF-named tensors in, casting to the model dtype; fails on missing or unknown names.
+        A QuantWeight goes to its projection or embedding whole (layers.py keeps it quantized)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         sources: dict[str, tuple[str, slice | None]] = {}
         for name in params:
@@ -133,6 +170,18 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
             name, rows = sources[hf_name]
             param = params[name]
+            if self.tp.world_size > 1:  # this rank's part only: a lazy slice reads only that
+                if isinstance(tensor, QuantWeight):
+                    raise ValueError("tensor_parallel_size > 1 is not supported for quantized "
+                                     f"weights yet ({hf_name!r})")
+                tensor = read_shard(tensor, self.checkpoint_shard(hf_name, name))
+            if isinstance(tensor, QuantWeight):
+                self._load_quantized(name, rows, self.convert_quantized(hf_name, tensor))
+                loaded.add(hf_name)
+                continue
+            if param.is_meta:
+                module_name, _, attribute = name.rpartition(".")
+                param = params[name] = materialize(self.get_submodule(module_name), attribute, self.device)
             target = param.data if rows is None else param.data[rows]
             tensor = self.convert(hf_name, tensor)
             if target.shape != tensor.shape:
@@ -144,6 +193,18 @@ class CausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+
+
+    def _load_quantized(self, name: str, rows: slice | None, weight: QuantWeight) -> None:
+        module_name, _, attribute = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if attribute != "weight" or not hasattr(module, "load_quantized"):
+            raise ValueError(f"{name!r} came quantized, but only projection and embedding weights "
+                             "can be")
+        if rows is not None and weight.shape[0] != rows.stop - rows.start:
+            raise ValueError(f"quantized {name!r} part has {weight.shape[0]} rows, expected "
+                             f"{rows.stop - rows.start}")
+        module.load_quantized(0 if rows is None else rows.start, weight)
 
 
 def split_rows(sizes: list[int], names: list[str]) -> list[tuple[str, slice]]:

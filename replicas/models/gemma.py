@@ -87,6 +87,8 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = False  # its own layers do not shard yet
+
     def build_model(self, config) -> nn.Module:
         self.final_logit_soft_cap = getattr(config, "final_logit_softcapping", None)
         return GemmaModel(config, self.sliding_windows, self.attention_backend, self.dtype, self.device)

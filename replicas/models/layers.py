@@ -1,13 +1,35 @@
 """The building blocks every model file shares: projections on packed CPU weights, embeddings,
 norms and activations. Parameters are allocated empty; load_weights fills each of them.
+
+A quantized checkpoint's projections and embeddings arrive as kernels.quantized.QuantWeight
+parts instead of dense tensors. So that they never cost the dense bytes, a model built under
+`deferred_weights()` gives every projection and embedding a weight on the meta device (a shape,
+no storage), materialised only if the checkpoint holds that weight dense after all.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear, norm_act
+from kernels import cpu_linear, norm_act, quant_linear
+from kernels.quantized import QuantWeight, cat_rows
+from kernels.reference import dequantize_weight
+
+_deferred = contextvars.ContextVar("deferred_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_weights():
+    """Build a model whose projection and embedding weights may come quantized."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -15,30 +37,127 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _weight(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return empty_parameter(*shape, dtype=dtype, device="meta" if _deferred.get() else device)
+
+
+def materialize(module: nn.Module, attribute: str, device) -> nn.Parameter:
+    """module.attribute, given storage if it was deferred (meta) and the checkpoint holds it dense."""
+    param = getattr(module, attribute)
+    if param.is_meta:
+        param = empty_parameter(*param.shape, dtype=param.dtype, device=device)
+        setattr(module, attribute, param)
+    return param
+
+
+class QuantParts:
+    """The QuantWeight parts of one weight, by first row (q|k|v or gate|up arrive separately)."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.parts: dict[int, QuantWeight] = {}
+
+    def add(self, first_row: int, weight: QuantWeight) -> None:
+        self.parts[first_row] = weight
+
+    def joined(self, name: str) -> list[QuantWeight]:
+        """The parts as one weight or, where their input-channel orders differ (GPTQ act-order
+        quantized each separately), as they are, each its own GEMM."""
+        starts = sorted(self.parts)
+        row = 0
+        for start in starts:
+            if start != row:
+                break
+            row += self.parts[start].shape[0]
+        if row != self.num_rows:
+            raise ValueError(f"{name}: quantized parts cover rows 0..{row} of {self.num_rows} "
+                             "(a fused projection must be quantized in all of its parts)")
+        parts = [self.parts[s] for s in starts]
+        perms = [p.perm for p in parts]
+        if all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+               for a, b in zip(perms, perms[1:])):
+            return [cat_rows(parts)]
+        return parts
+
+
+def pack_quantized(weight: QuantWeight, device: torch.device):
+    """A QuantWeight packed for the kernel of its device: csrc/gemm_q.c on CPU, Triton on CUDA."""
+    if device.type == "cuda":
+        from kernels import triton_quant
+        return triton_quant.pack(weight, device)
+    return quant_linear.pack(weight)
+
+
+def quantized_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(packed, quant_linear.PackedQuant):
+        return quant_linear.linear(x, packed, bias)
+    from kernels import triton_quant
+    return triton_quant.linear(x, packed, bias)
+
+
 class Linear(nn.Module):
-    """y = x W^T + b on a weight packed once after loading (kernels/cpu_linear.py)."""
+    """y = x W^T + b on a weight packed once after loading: dense (kernels/cpu_linear.py) or
+    quantized (pack_quantized)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
-        self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
+        self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # set by pack(), after loading
+        self.quant: QuantParts | None = None  # the weight's parts, if it came quantized
+        self.packed_quant: list | None = None  # pack_quantized's results, if it came quantized
+        self.device = torch.device(device)
 
-    def pack(self) -> None:
+    def load_quantized(self, first_row: int, weight: QuantWeight) -> None:
+        if weight.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"quantized weight of shape {list(weight.shape)} does not fit a "
+                             f"projection of {list(self.weight.shape)}")
+        self.quant = self.quant or QuantParts(self.weight.shape[0])
+        self.quant.add(first_row, weight)
+
+    def pack(self, name: str = "") -> None:
+        if self.quant is not None:
+            self.packed_quant = [pack_quantized(part, self.device) for part in self.quant.joined(name)]
+            self.quant = None
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            return
+        if self.weight.is_meta:
+            raise ValueError(f"{name}: no weight was loaded")
         self.packed = cpu_linear.pack(self.weight)
         if self.packed is not None and self.packed.replaces_weight:  # keep one copy in memory
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_quant is not None:
+            if len(self.packed_quant) == 1:
+                return quantized_linear(x, self.packed_quant[0], self.bias)
+            out = torch.cat([quantized_linear(x, part) for part in self.packed_quant], dim=-1)
+            return out if self.bias is None else out + self.bias
         return cpu_linear.linear(x, self.weight, self.packed, self.bias)
 
 
 class Embedding(nn.Module):
+    """Token embeddings; quantized ones are looked up by dequantizing the step's rows (a few
+    KiB a step), so the table keeps its quantized size, and a tied lm_head multiplies by it."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device):
         super().__init__()
-        self.weight = empty_parameter(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.weight = _weight(num_embeddings, embedding_dim, dtype=dtype, device=device)
+        self.quantized: QuantWeight | None = None
+        self.device = torch.device(device)
+
+    def load_quantized(self, first_row: int, weight: QuantWeight) -> None:
+        if first_row != 0 or weight.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized embedding of shape {list(weight.shape)} does not fit "
+                             f"{list(self.weight.shape)}")
+        self.quantized = QuantWeight(weight.bits, weight.group_size, *(
+            t.to(self.device) for t in (weight.q, weight.scales, weight.offsets)),
+            None if weight.perm is None else weight.perm.to(self.device))
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return dequantize_weight(self.quantized.rows(input_ids)).to(self.weight.dtype)
         return F.embedding(input_ids, self.weight)
 
 

@@ -13,9 +13,11 @@ from torch import nn
 from kernels.backend import AttentionBackend
 from replicas.models.attention import Attention
 from replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
-from replicas.models.layers import Embedding, Linear, RMSNorm
+from replicas.models.layers import Linear, RMSNorm
 from replicas.models.mlp import GatedMLP
 from replicas.models.rotary import RotaryEmbedding
+from replicas.parallel.layers import vocab_embedding
+from replicas.parallel.sharding import Shard, kv_head_start
 
 
 def llama_attention(config, layer: int, window: int | None, backend: AttentionBackend,
@@ -57,7 +59,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings,
                                           dtype, device)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -72,6 +74,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     # Our fused projection -> the checkpoint's separate ones, in row order.
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    # Projections whose input columns are split across ranks (their outputs all-reduced).
+    ROW_PARALLEL = ("o_proj", "down_proj")
+    supports_tensor_parallel = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):
@@ -95,13 +100,48 @@ class LlamaForCausalLM(CausalLM):
         fused = parts[-2] if len(parts) >= 2 else None
         if fused not in self.FUSED or self.config.model_type == "phi3":  # Phi-3 stores them fused
             return [(name, None)]
+        tp = self.tp.world_size  # our fused parameter holds this rank's rows of each part
         if fused == "qkv_proj":
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q_size = self.num_heads // tp * self.head_dim
+            kv_size = self.num_local_kv_heads * self.head_dim
             sizes = [q_size, kv_size, kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [self.config.intermediate_size // tp] * 2
         prefix = ".".join(parts[:-2])
         return split_rows(sizes, [f"{prefix}.{hf}.{parts[-1]}" for hf in self.FUSED[fused]])
+
+    def checkpoint_shard(self, hf_name: str, name: str) -> Shard | None:
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return Shard(0, ((self.vocab_start, self.vocab_stop),))
+        if module in self.ROW_PARALLEL:  # bias: added once, on rank 0
+            if parts[-1] == "bias":
+                return None if self.tp.is_driver else Shard(zeros=True)
+            start, stop = self.tp.split(self.num_heads * self.head_dim if module == "o_proj"
+                                        else self.config.intermediate_size, module)
+            return Shard(1, ((start, stop),))
+        if module not in self.FUSED:
+            return None  # norms: every rank holds them whole
+        hd, rank, tp = self.head_dim, self.tp.rank, self.tp.world_size
+        q_start, q_stop = self.tp.split(self.num_heads, "num_attention_heads")
+        kv_first = kv_head_start(self.num_kv_heads, tp, rank)
+        q = (q_start * hd, q_stop * hd)
+        kv = (kv_first * hd, (kv_first + self.num_local_kv_heads) * hd)
+        inter = self.config.intermediate_size
+        mlp = self.tp.split(inter, "intermediate_size")
+        if self.config.model_type == "phi3":  # the checkpoint holds them fused: pick each part
+            if module == "qkv_proj":
+                q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+                return Shard(0, (q, (q_size + kv[0], q_size + kv[1]),
+                                 (q_size + kv_size + kv[0], q_size + kv_size + kv[1])))
+            return Shard(0, (mlp, (inter + mlp[0], inter + mlp[1])))
+        hf_part = hf_name.split(".")[-2]
+        if hf_part == "q_proj":
+            return Shard(0, (q,))
+        if hf_part in ("k_proj", "v_proj"):
+            return Shard(0, (kv,))
+        return Shard(0, (mlp,))
 
 
 __all__ = ["Linear", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "llama_attention"]

@@ -44,6 +44,8 @@ class SparseMoE(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = False  # its own layers do not shard yet
+
     # Our expert projection -> Mixtral's expert weights (w1 gate, w3 up, w2 down).
     EXPERT = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 

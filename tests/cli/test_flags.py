@@ -22,14 +22,15 @@ def test_vllm_flags_build_the_same_settings_as_serve_run_arguments():
                   "--kv-cache-memory", "2GiB", "--api-key", "a", "--api-key", "b",
                   "--host", "0.0.0.0", "--port", "8001", "-dp", "2", "--max-replicas", "4",
                   "--target-queue-depth", "2.5", "--request-router-kwargs", '{"min_affinity_blocks": 2}',
-                  "--tensor-parallel-size", "1"])
+                  "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"])
     from_flags = ServeSettings.from_args(args, env={})
     from_serve_run = ServeSettings.from_args(dict(
         model="/models/m", served_model_name="m", max_num_seqs="8", max_model_len="2048",
         max_num_batched_tokens="4000", block_size="32", dtype="float16", seed="7",
         enable_prefix_caching="false", kv_cache_memory_gb="2", api_keys="a,b", host="0.0.0.0",
         port="8001", num_replicas="2", max_replicas="4", target_queue_depth="2.5",
-        request_router_kwargs='{"min_affinity_blocks": 2}'), env={})
+        request_router_kwargs='{"min_affinity_blocks": 2}', tensor_parallel_size="2",
+        distributed_executor_backend="ray"), env={})
     assert from_flags == from_serve_run
     assert from_flags.model_fields_set == from_serve_run.model_fields_set
 
@@ -76,13 +77,13 @@ def test_kv_cache_memory_refuses_a_number_that_looks_like_gib():
     (["--trust-remote-code"], ["--trust-remote-code", "not supported", "remote code"]),
     (["--swap-space", "4"], ["--swap-space", "not supported"]),
     (["--no-such-flag=3"], ["unknown flag --no-such-flag"]),
-    (["--tensor-parallel-size", "2"], ["--tensor-parallel-size 2", "--num-replicas"]),
+    (["--pipeline-parallel-size", "2"], ["--pipeline-parallel-size 2", "--num-replicas"]),
     (["--tool-call-parser", "mistral"], ["--tool-call-parser mistral", "only hermes"]),
     (["--max-num-seqs", "zero"], ["--max-num-seqs", "integer"]),
     (["--max-num-seqs"], ["--max-num-seqs", "expected one argument"]),
     (["--num-replicas", "0"], ["num_replicas"]),
     (["--request-router-kwargs", '{"colour": 1}'], ["colour"]),
-    (["/no/such/model"], ["/no/such/model", "not a local model directory"]),
+    (["/no/such/model"], ["/no/such/model", "not a local model"]),
     (["/a", "--model", "/b"], ["model is given twice"]),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, words, capsys):

@@ -19,9 +19,9 @@ def test_local_directory_resolves_to_itself(tiny_model_dir):
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="'HuggingFaceTB/SmolLM2-135M' is not a local model directory"):
+    with pytest.raises(ValueError, match="'HuggingFaceTB/SmolLM2-135M' is not a local model"):
         resolve_model("HuggingFaceTB/SmolLM2-135M")
-    with pytest.raises(ValueError, match="is not a local model directory"):
+    with pytest.raises(ValueError, match="is not a local model"):
         resolve_model(str(tmp_path))
 
 

@@ -83,9 +83,9 @@ def test_unsupported_architecture_is_a_clear_error(tiny_model_dir, tmp_path):
 
 
 def test_not_a_model_directory(tmp_path):
-    with pytest.raises(ValueError, match="is not a local model directory"):
+    with pytest.raises(ValueError, match="is not a local model"):
         load_model(tmp_path / "missing")
-    with pytest.raises(ValueError, match="is not a local model directory"):
+    with pytest.raises(ValueError, match="is not a local model"):
         load_model(tmp_path)  # exists, but has no config.json
 
 

@@ -1,0 +1,90 @@
+"""Which part of a checkpoint tensor one tensor-parallel rank holds, reading only that part, and
+the checks that a model can be split `tensor_parallel_size` ways at all (torch-free, so that a
+deploy can run them).
+
+Megatron-style, as vLLM: q/k/v and gate/up are column-parallel (each rank has its heads / its
+share of the intermediate rows), o_proj and down_proj row-parallel (its share of the input
+columns; their outputs are summed by one all-reduce each), the embedding and the lm_head split by
+vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on tp / kv ranks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rows (dim 0) or columns (dim 1) of a checkpoint tensor, ranges concatenated in order;
+    `zeros`: this rank holds zeros of the tensor's shape (a row-parallel bias is added once)."""
+
+    dim: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    zeros: bool = False
+
+
+def read_shard(source, shard: Shard | None):
+    """`source` is a tensor or a safetensors slice (which reads only what is indexed)."""
+    import torch
+    if shard is None:
+        return source if isinstance(source, torch.Tensor) else source[:]
+    if shard.zeros:
+        shape = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
+        dtype = source.dtype if isinstance(source, torch.Tensor) else torch.float32
+        return torch.zeros(tuple(shape), dtype=dtype)
+    index = (slice(None),) * shard.dim
+    parts = [source[index + (slice(start, stop),)] for start, stop in shard.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+
+
+def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
+    return max(1, num_kv_heads // world_size)
+
+
+def kv_head_start(num_kv_heads: int, world_size: int, rank: int) -> int:
+    """First KV head of a rank; with fewer KV heads than ranks, each serves tp / kv ranks."""
+    if num_kv_heads >= world_size:
+        return rank * (num_kv_heads // world_size)
+    return rank // (world_size // num_kv_heads)
+
+
+def check_tensor_parallel(hf_config, world_size: int, model_class: type) -> None:
+    """ValueError naming both numbers where the model cannot be split `world_size` ways."""
+    if world_size == 1:
+        return
+    if not getattr(model_class, "supports_tensor_parallel", False):
+        arch = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
+        raise ValueError(f"tensor_parallel_size > 1 is not supported for {arch} yet "
+                         f"(got tensor_parallel_size={world_size})")
+    if getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"tensor_parallel_size > 1 is not supported for quantized checkpoints "
+                         f"yet (got tensor_parallel_size={world_size})")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % world_size:
+        raise ValueError(f"tensor_parallel_size ({world_size}) must divide the model's "
+                         f"num_attention_heads ({heads})")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({world_size}) and the model's num_key_value_heads "
+                         f"({kv_heads}) must divide one another")
+    intermediate = getattr(hf_config, "intermediate_size", None)
+    if intermediate and intermediate % world_size:
+        raise ValueError(f"tensor_parallel_size ({world_size}) must divide the model's "
+                         f"intermediate_size ({intermediate})")
+
+
+def check_world_size(world_size: int, device_type: str, available: float | None = None) -> None:
+    """ValueError naming both numbers when there are fewer devices (CPUs, GPUs) than ranks."""
+    if world_size == 1:
+        return
+    if available is None:
+        if device_type == "cuda":
+            import torch
+            available = torch.cuda.device_count()
+        else:
+            available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else os.cpu_count() or 1
+    kind = "GPUs" if device_type == "cuda" else "CPUs"
+    if world_size > available:
+        raise ValueError(f"tensor_parallel_size ({world_size}) is more than the {kind} available "
+                         f"({available:g})")

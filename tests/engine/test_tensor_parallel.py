@@ -1,0 +1,166 @@
+"""tensor_parallel_size=2 on CPU (gloo, two local processes): greedy tokens equal
+tensor_parallel_size=1 and transformers, logprobs within 1e-4, for GQA (2 KV heads over 2 ranks),
+a replicated KV head (1 KV head over 2 ranks), Qwen2 (tied embeddings, q/k/v biases), Mistral,
+Qwen3 and Phi-3 (checkpoint-fused projections),
+in the default mode and with chunked prefill under forced preemption; each rank holds about half
+of the weights; bad sizes fail at once naming both numbers; a rank that dies fails the health
+check and the next step instead of hanging them."""
+from __future__ import annotations
+
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from replicas import LLM, SamplingParams
+from replicas.model_loader import iterate_weights, load_config, weight_files
+from replicas.models import get_model_class
+from replicas.parallel import state as parallel_state
+from replicas.parallel.sharding import check_tensor_parallel, check_world_size
+from tests.tiny_models import build_tiny_family, build_tiny_model
+
+PROMPT_LENS = [1, 3, 9, 17, 33, 40]
+MAX_TOKENS = [10, 5, 8, 12, 6, 12]
+MODES = {
+    "default": dict(num_kv_blocks=64),
+    # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants more; 32-token chunks
+    "chunked_preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
+}
+MODELS = {
+    "llama_kv2": dict(arch="llama", num_kv_heads=2),
+    "llama_kv1": dict(arch="llama", num_kv_heads=1, seed=1),  # one KV head, replicated
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True, seed=2),
+    "mistral": dict(arch="mistral", seed=3),
+    "qwen3": dict(family="qwen3"),  # per-head q/k norms
+    "phi3": dict(family="phi3"),  # q|k|v and gate|up fused in the checkpoint, partial rotary
+}
+ENGINE_ARGS = {"phi3": dict(max_model_len=64)}  # longrope's short factors, as transformers here
+SLOW = pytest.mark.slow  # each case starts a rank process (~5 s): the default suite keeps four
+CASES = [pytest.param("llama_kv2", "default"), pytest.param("llama_kv2", "chunked_preempted"),
+         pytest.param("llama_kv1", "default"),
+         pytest.param("llama_kv1", "chunked_preempted", marks=SLOW),
+         pytest.param("qwen2", "default"),
+         pytest.param("qwen2", "chunked_preempted", marks=SLOW),
+         pytest.param("mistral", "default", marks=SLOW),
+         pytest.param("mistral", "chunked_preempted", marks=SLOW),
+         pytest.param("qwen3", "default", marks=SLOW), pytest.param("phi3", "default", marks=SLOW)]
+ENGINE = dict(attention_backend="torch", num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            spec = MODELS[name]
+            path = (build_tiny_family(tmp_path_factory.mktemp(name), spec["family"])
+                    if "family" in spec else build_tiny_model(tmp_path_factory.mktemp(name), **spec))
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+            expected = []
+            with torch.no_grad():
+                for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+                    ids = torch.tensor([prompt])
+                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=max_tokens, pad_token_id=0)
+                    expected.append(out[0, len(prompt):].tolist())
+            built[name] = SimpleNamespace(path=str(path), prompts=prompts, expected=expected)
+        return built[name]
+
+    return get
+
+
+def _generate(llm: LLM, model, prompt_logprobs: bool):
+    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=1,
+                             prompt_logprobs=1 if prompt_logprobs else None) for m in MAX_TOKENS]
+    return llm.generate([{"prompt_token_ids": p} for p in model.prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_tp2_matches_tp1_and_transformers(models, name, mode):
+    model = models(name)
+    with_prompt_logprobs = mode == "default"
+    engine = {**ENGINE, **MODES[mode], **ENGINE_ARGS.get(name, {})}
+    single = _generate(LLM(model.path, **engine), model, with_prompt_logprobs)
+    llm = LLM(model.path, tensor_parallel_size=2, **engine)
+    try:
+        split = _generate(llm, model, with_prompt_logprobs)
+        stats = llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in split] == model.expected
+    assert [o.outputs[0].token_ids for o in single] == model.expected
+    if mode == "chunked_preempted":
+        assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    for a, b in zip(single, split):
+        for pa, pb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
+        if with_prompt_logprobs:
+            for p, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
+                token = a.prompt_token_ids[p]
+                assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
+
+
+def _shard_bytes(path: str, rank: int, world_size: int) -> int:
+    """Parameter bytes one rank loads (the group itself is not needed to load)."""
+    hf_config = load_config(path)
+    tp = parallel_state.TensorParallel(rank, world_size)
+    with parallel_state.building(tp):
+        model = get_model_class(hf_config)(hf_config, torch.float32, "torch")
+    model.load_weights(iterate_weights(weight_files(path), lazy=world_size > 1))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_each_rank_holds_about_half_the_weights(models):
+    path = models("llama_kv2").path
+    full = _shard_bytes(path, 0, 1)
+    for rank in (0, 1):  # only norms are replicated
+        assert 0.45 < _shard_bytes(path, rank, 2) / full < 0.55
+
+
+def test_sizes_that_do_not_split_fail_at_once_naming_both_numbers(models):
+    path = models("llama_kv2").path  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide the model's "
+                                         r"num_attention_heads \(4\)"):
+        LLM(path, tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) is more than the CPUs "
+                                         r"available \(2\)"):
+        check_world_size(4, "cpu", available=2)
+    gqa = SimpleNamespace(num_attention_heads=12, num_key_value_heads=3, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) and the model's "
+                                         r"num_key_value_heads \(3\)"):
+        check_tensor_parallel(gqa, 2, get_model_class(load_config(path)))
+
+
+def test_a_family_that_does_not_shard_says_so(tmp_path):
+    path = build_tiny_family(tmp_path / "gpt2", "gpt2")
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for "
+                                         "GPT2LMHeadModel yet"):
+        LLM(str(path), tensor_parallel_size=2, **ENGINE)
+
+
+def test_a_dead_rank_fails_the_health_check_and_the_next_step(models):
+    model = models("llama_kv2")
+    llm = LLM(model.path, tensor_parallel_size=2, **ENGINE, num_kv_blocks=16)
+    try:
+        engine = llm.llm_engine
+        engine.check_health()
+        engine.runner.workers._handles[0].kill()
+        deadline = time.monotonic() + 10
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 is gone"):
+            while time.monotonic() < deadline:
+                engine.check_health()
+                time.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(Exception):
+            llm.generate([model.prompts[0]], SamplingParams(temperature=0, max_tokens=2),
+                         use_tqdm=False)
+        assert time.monotonic() - start < 30  # a failed step, not a collective timeout
+    finally:
+        llm.shutdown()
