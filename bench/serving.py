@@ -116,8 +116,9 @@ def point_label(rate: str, concurrency: int | None) -> str:
 
 
 def bench_serve(args, server: Server, model_id: str, model_dir: str, rate: str, concurrency: int | None,
-                workdir: Path) -> dict:
-    """One `vllm bench serve` run against `server`; its saved result JSON."""
+                workdir: Path, extra_args: tuple[str, ...] = ()) -> dict:
+    """One `vllm bench serve` run against `server` (`extra_args` appended to its command line);
+    its saved result JSON."""
     num_prompts = args.num_prompts
     if concurrency is not None:  # enough requests to fill the concurrency, not more than needed
         num_prompts = max(min(args.num_prompts, 8 * concurrency), 2 * concurrency)
@@ -132,6 +133,7 @@ def bench_serve(args, server: Server, model_id: str, model_dir: str, rate: str, 
            "--save-result", "--result-dir", str(workdir), "--result-filename", name]
     if concurrency is not None:
         cmd += ["--max-concurrency", str(concurrency)]
+    cmd += list(extra_args)
     # The client gets no core binding: it is the same process for both servers.
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     log = workdir / (name + ".log")
@@ -145,7 +147,8 @@ def bench_serve(args, server: Server, model_id: str, model_dir: str, rate: str, 
 def summarize(raw: dict) -> dict:
     keep = {"completed": raw.get("completed"), "failed": raw.get("failed", 0),
             "request_throughput": raw["request_throughput"], "output_throughput": raw["output_throughput"],
-            "duration_s": raw["duration"], "num_prompts": raw["num_prompts"]}
+            "duration_s": raw["duration"], "num_prompts": raw["num_prompts"],
+            "total_output_tokens": raw.get("total_output_tokens")}
     for metric in METRICS:
         for p in PERCENTILES:
             keep[f"p{p}_{metric}_ms"] = raw.get(f"p{p}_{metric}_ms")
@@ -153,19 +156,23 @@ def summarize(raw: dict) -> dict:
 
 
 def run_system(args, system: str, model_dir: str, workdir: Path) -> dict:
-    port = free_port()
     make = {"pagedserve": pagedserve_server, "vllm": vllm_server}[system]
-    server = make(args, model_dir, port, workdir)
+    return run_points(args, make(args, model_dir, free_port(), workdir), model_dir, workdir)
+
+
+def run_points(args, server: Server, tokenizer: str, workdir: Path, extra_args: tuple[str, ...] = ()) -> dict:
+    """Start `server`, then every sweep point of `args` against it, printed as it goes; the
+    summaries by point label. `tokenizer` is the load generator's (an HF folder)."""
     results = {}
     with server:
         began = time.monotonic()
         model_id = server.wait_ready(args.startup_timeout_s)
-        print(f"{system}: ready in {time.monotonic() - began:.0f} s on port {port} (model {model_id!r})",
-              flush=True)
+        print(f"{server.name}: ready in {time.monotonic() - began:.0f} s on port {server.port} "
+              f"(model {model_id!r})", flush=True)
         for rate, concurrency in sweep_points(args):
             label = point_label(rate, concurrency)
-            results[label] = summarize(bench_serve(args, server, model_id, model_dir, rate, concurrency,
-                                                   workdir))
+            results[label] = summarize(bench_serve(args, server, model_id, tokenizer, rate, concurrency,
+                                                   workdir, extra_args))
             r = results[label]
             print(f"  {label:>9}: {r['request_throughput']:6.2f} req/s {r['output_throughput']:8.1f} out tok/s  "
                   f"TTFT p50 {r['p50_ttft_ms']:8.1f} p99 {r['p99_ttft_ms']:8.1f}  "
