@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import random
 import statistics
 import time
@@ -148,15 +149,19 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in rates.items()}
     baseline, sorted_baseline = medians["st_per_batch"], medians["st_sorted"]
     cpu = cpu_description()
+    # The machine may be shared: its load says how far to trust the absolute figures.
+    load = [round(x, 2) for x in os.getloadavg()]
     print(f"{args.num_texts} texts ({num_tokens} tokens), batch {args.batch_size}, "
-          f"{args.threads} thread(s), {args.rounds} alternating rounds, {cpu}")
+          f"{args.threads} thread(s), {args.rounds} alternating rounds, {cpu}, "
+          f"load average {load[0]} {load[1]} {load[2]}")
     print(f"{'':14} {'texts/s':>9} {'vs st_per_batch':>16} {'vs st_sorted':>13}  min cosine")
     for name, rate in medians.items():
         cosine = f"{cosines[name]:.6f}" if name in cosines else "-"
         print(f"{name:14} {rate:9.1f} {rate / baseline:15.2f}x {rate / sorted_baseline:12.2f}x  "
               f"{cosine}")
     path = write_result("embeddings", dict(
-        args=vars(args), cpu=cpu, num_tokens=num_tokens, texts_per_s=rates, median=medians,
+        args=vars(args), cpu=cpu, load_average=load, num_tokens=num_tokens, texts_per_s=rates,
+        median=medians,
         ratio={name: rate / baseline for name, rate in medians.items()},
         ratio_vs_sorted={name: rate / sorted_baseline for name, rate in medians.items()},
         min_cosine=cosines))

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from replicas.outputs import RequestOutput
+from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from serve_app import tool_calls
 from serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                 ChatCompletionResponse, ChatCompletionStreamResponse, ChatStreamChoice,
-                                CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                CompletionResponse, CompletionStreamResponse, DeltaFunctionCall,
-                                DeltaMessage, DeltaToolCall, FunctionCall, ToolCall, random_id)
+                                ChoiceLogprobs, CompletionChoice, CompletionLogprobs,
+                                CompletionRequest, CompletionResponse, CompletionStreamResponse,
+                                DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                                ToolCall, random_id)
 from serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
 from serve_app.tool_call_parser import CallStart, Content, Event, ToolCallParser
 
@@ -215,6 +217,9 @@ class ChatFormatter(_Formatter):
         arguments as they are generated; in "auto", text streams as content until a call starts."""
         state = self.states[0]
         parsers = [ToolCallParser(self.tools) for _ in range(self.n)]
+        # Per choice, the tokens whose logprobs no chunk has carried yet: text the parser holds
+        # back (a possible tag, a call's name) sends its tokens' logprobs with the next chunk.
+        pending = [_PendingLogprobs() for _ in range(self.n)] if self.request.logprobs else None
         role_sent = False
         async for _, delta in merged:
             state.add(delta)
@@ -225,26 +230,32 @@ class ChatFormatter(_Formatter):
                     yield self._delta(i, DeltaMessage(role="assistant", content=content))
             for cd in delta.outputs:
                 i = cd.index
-                for chunk in self._tool_chunks(i, parsers[i].feed(cd.text)):
+                tokens = pending[i].add(cd) if pending else None
+                for chunk in self._tool_chunks(i, parsers[i].feed(cd.text), tokens):
                     yield chunk
                 if cd.finish_reason is None:
                     continue
-                for chunk in self._tool_chunks(i, parsers[i].finish()):
+                for chunk in self._tool_chunks(i, parsers[i].finish(), tokens):
                     yield chunk
                 finish_reason = cd.finish_reason
                 if parsers[i].calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
                 yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(),
+                                                    logprobs=self._take_logprobs(tokens),
                                                     finish_reason=finish_reason,
                                                     stop_reason=cd.stop_reason)])
         if self.request.include_usage:
             yield self._chunk([], usage(self.states))
 
-    def _tool_chunks(self, index: int, events: list[Event]):
+    def _tool_chunks(self, index: int, events: list[Event], tokens: _PendingLogprobs | None):
+        """A chunk per event; the first to cover generated text carries the logprobs of the
+        tokens pending so far (a named function's call starts before any text)."""
         for event in events:
+            named_start = isinstance(event, CallStart) and self.tools.mode == "named"
+            logprobs = None if named_start else self._take_logprobs(tokens)
             if isinstance(event, Content):
-                yield self._text_event(index, event.text) if self.sse else \
-                    self._delta(index, DeltaMessage(content=event.text))
+                yield self._text_event(index, event.text) if self.sse and logprobs is None else \
+                    self._delta(index, DeltaMessage(content=event.text), logprobs)
                 continue
             if isinstance(event, CallStart):
                 call = DeltaToolCall(index=event.index, id=random_id("call"), type="function",
@@ -252,7 +263,28 @@ class ChatFormatter(_Formatter):
             else:
                 call = DeltaToolCall(index=event.index,
                                      function=DeltaFunctionCall(arguments=event.text))
-            yield self._delta(index, DeltaMessage(tool_calls=[call]))
+            yield self._delta(index, DeltaMessage(tool_calls=[call]), logprobs)
 
-    def _delta(self, index: int, delta: DeltaMessage) -> ChatCompletionStreamResponse:
-        return self._chunk([ChatStreamChoice(index=index, delta=delta)])
+    def _take_logprobs(self, tokens: _PendingLogprobs | None) -> ChoiceLogprobs | None:
+        if tokens is None or not tokens.token_ids:
+            return None
+        logprobs = self.logprobs.chat(tokens.token_ids, tokens.positions)
+        tokens.token_ids, tokens.positions = [], []
+        return logprobs
+
+    def _delta(self, index: int, delta: DeltaMessage,
+               logprobs: ChoiceLogprobs | None = None) -> ChatCompletionStreamResponse:
+        return self._chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs)])
+
+
+@dataclass(slots=True)
+class _PendingLogprobs:
+    """One choice's generated tokens that no chunk has carried the logprobs of yet."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[PositionLogprobs] = field(default_factory=list)
+
+    def add(self, delta: CompletionOutput) -> _PendingLogprobs:
+        self.token_ids += delta.token_ids
+        self.positions += delta.logprobs or []
+        return self

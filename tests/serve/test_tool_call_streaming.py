@@ -75,6 +75,21 @@ def test_streamed_calls_equal_the_whole_answer(client, tool_choice, extra, num_c
         assert finish == "tool_calls" and content == "Ok."
 
 
+def test_streamed_calls_carry_the_whole_answers_logprobs(client):
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=60,
+                temperature=0, tool_choice="required", logprobs=True, top_logprobs=2)
+    response = client.chat.completions.create(**args)
+    chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert any(c.choices[0].delta.tool_calls and c.choices[0].logprobs for c in chunks)
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    expected = response.choices[0].logprobs.content
+    assert len(expected) == response.usage.completion_tokens > 10
+    assert [t.token for t in streamed] == [t.token for t in expected]
+    assert [[a.token for a in t.top_logprobs] for t in streamed] == \
+        [[a.token for a in t.top_logprobs] for t in expected]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+
+
 class Weather(BaseModel):
     city: str = Field(pattern="^[a-z]{1,6}$")
     unit: Literal["C", "F"]

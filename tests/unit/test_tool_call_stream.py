@@ -1,5 +1,5 @@
 """ChatFormatter's streamed tool calls, without Ray: OpenAI's chunk shapes, and the `openai`
-client's own stream accumulator rebuilds exactly the non-streamed answer."""
+client's own stream accumulator rebuilds exactly the non-streamed answer, logprobs included."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.outputs import CompletionOutput, Logprob, RequestOutput
 from serve_app.formatters import ChatFormatter
 from serve_app.protocol import ChatCompletionRequest
 
@@ -25,18 +25,37 @@ class Info:
     name, tokenizer = "m", None
 
 
-def formatter(tool_choice, stream: bool) -> ChatFormatter:
+def formatter(tool_choice, stream: bool, **logprobs) -> ChatFormatter:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=stream,
-                                    tools=TOOLS, tool_choice=tool_choice)
+                                    tools=TOOLS, tool_choice=tool_choice, **logprobs)
     return ChatFormatter(request, Info, "chatcmpl-1", sse=True, tools=request.tool_spec())
 
 
-async def deltas(text: str, size: int, finish_reason: str):
+def position(k: int, text: str) -> dict:
+    """Token k's logprobs: itself (its text is `text`) ranked first, and one alternative."""
+    return {k: Logprob(-0.01 * k, 1, text), 10_000 + k: Logprob(-5.0 - k, 2, f"alt{k}")}
+
+
+async def deltas(text: str, size: int, finish_reason: str, tokens_per_delta: int = 1):
+    """`text` in tokens of `size` characters, `tokens_per_delta` of them per output."""
     pieces = [text[k:k + size] for k in range(0, len(text), size)]
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
+    for start in range(0, len(pieces), tokens_per_delta):
+        ks = range(start, min(start + tokens_per_delta, len(pieces)))
+        last = ks[-1] == len(pieces) - 1
         yield 0, RequestOutput("r", None, [], [CompletionOutput(
-            0, piece, [k], finish_reason=finish_reason if last else None)], finished=last)
+            0, "".join(pieces[k] for k in ks), list(ks),
+            logprobs=[position(k, pieces[k]) for k in ks],
+            finish_reason=finish_reason if last else None)], finished=last)
+
+
+def chunks_of(f: ChatFormatter, outputs) -> list[ChatCompletionChunk]:
+    async def stream():
+        return [c async for c in f.stream(outputs)]
+
+    # Content comes as ready server-sent events (str), the rest as chunk models.
+    return [ChatCompletionChunk.model_validate(json.loads(
+        c.removeprefix("data: ") if isinstance(c, str) else c.model_dump_json()))
+        for c in asyncio.run(stream())]
 
 
 @pytest.mark.parametrize("tool_choice,text,names", [
@@ -47,14 +66,8 @@ async def deltas(text: str, size: int, finish_reason: str):
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_streamed_calls_rebuild_the_whole_answer(tool_choice, text, names, size):
     whole = asyncio.run(formatter(tool_choice, False).collect(deltas(text, size, "stop")))
-
-    async def stream():
-        return [c async for c in formatter(tool_choice, True).stream(deltas(text, size, "stop"))]
-
-    # Content comes as ready server-sent events (str), the rest as chunk models.
-    chunks = [ChatCompletionChunk.model_validate(json.loads(
-        c.removeprefix("data: ") if isinstance(c, str) else c.model_dump_json()))
-        for c in asyncio.run(stream())]
+    chunks = chunks_of(formatter(tool_choice, True), deltas(text, size, "stop"))
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)  # none asked for
     state = ChatCompletionStreamState(input_tools=TOOLS)
     for chunk in chunks:
         state.handle_chunk(chunk)
@@ -78,6 +91,49 @@ def test_streamed_calls_rebuild_the_whole_answer(tool_choice, text, names, size)
         assert "".join(fragments) == expected.message.tool_calls[index].function.arguments
         assert len(fragments) > 1 or size == 1000  # incremental, not one piece at the end
     assert [d.index for d in calls] == sorted(d.index for d in calls)  # one call after another
+
+
+ALL_CHOICES = [("required", REQUIRED), ("auto", AUTO), ("auto", "no call here"),
+               ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Lima"}')]
+
+
+@pytest.mark.parametrize("tool_choice,text", ALL_CHOICES)
+@pytest.mark.parametrize("size,tokens_per_delta", [(1, 1), (3, 1), (2, 4), (1000, 1)])
+@pytest.mark.parametrize("finish_reason", ["stop", "length"])
+def test_streamed_logprobs_join_to_the_whole_answers(tool_choice, text, size, tokens_per_delta,
+                                                      finish_reason):
+    """Every token's logprobs arrive once, in order, with the first chunk that sends its text
+    (text the parser held back sends them later); joined they are the whole answer's, token for
+    token, as the `openai` client accumulates them too."""
+    asked = {"logprobs": True, "top_logprobs": 1}
+    whole = asyncio.run(formatter(tool_choice, False, **asked).collect(
+        deltas(text, size, finish_reason, tokens_per_delta)))
+    expected = whole.choices[0].logprobs.content
+    assert len(expected) == -(-len(text) // size)
+    assert [t.top_logprobs[0].token for t in expected] == [t.token for t in expected]
+
+    chunks = chunks_of(formatter(tool_choice, True, **asked),
+                       deltas(text, size, finish_reason, tokens_per_delta))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in expected]
+    state = ChatCompletionStreamState(input_tools=TOOLS)
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    final = state.current_completion_snapshot.choices[0]  # the final one refuses "length"
+    assert [t.model_dump() for t in final.logprobs.content] == [t.model_dump() for t in expected]
+
+    # Where the parser holds nothing back (a named function's arguments), each fragment
+    # carries exactly its own tokens.
+    if isinstance(tool_choice, dict):
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.tool_calls:
+                fragment = chunk.choices[0].delta.tool_calls[0].function.arguments
+                carried = chunk.choices[0].logprobs
+                if fragment:
+                    assert "".join(t.token for t in carried.content) == fragment
+                else:
+                    assert carried is None
 
 
 def test_a_call_cut_off_keeps_its_arguments_and_finish_reason():
