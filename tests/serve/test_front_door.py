@@ -64,7 +64,8 @@ def test_past_its_limit_the_door_answers_503_and_stays_healthy(door):
     with httpx.Client(base_url=base, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=stream_body(30)) as held:
             assert held.status_code == 200
-            next(held.iter_lines())  # the held stream is running
+            lines = held.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
+            next(lines)  # the held stream is running
             second = http.post("/v1/completions", json={**stream_body(2), "stream": False})
             assert second.status_code == 503
             assert second.headers["retry-after"] == "1"
