@@ -90,15 +90,21 @@ def pack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
 
 
+def share_input_order(parts: list[QuantWeight]) -> bool:
+    """Whether the weights' stored columns are the same input channels (equal act-order perms)."""
+    first = parts[0].perm
+    return all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first))
+               for p in parts[1:])
+
+
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Weights stacked along n (a fused q|k|v or gate|up), in the widest bits and smallest group
     any part has; they must share the input-channel order."""
     bits = max(p.bits for p in parts)
     group = min(p.group_size for p in parts)
-    perms = [p.perm for p in parts]
-    if any((a is None) != (b is None) or (a is not None and not torch.equal(a, b))
-           for a, b in zip(perms, perms[1:])):
+    if not share_input_order(parts):
         raise ValueError("fused projections must share one input-channel order (act-order g_idx)")
+    perm = parts[0].perm
     parts = [p if (p.bits, p.group_size) == (bits, group) else p.as_format(bits, group) for p in parts]
     return QuantWeight(bits, group, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
-                       torch.cat([p.offsets for p in parts]), perms[0])
+                       torch.cat([p.offsets for p in parts]), perm)

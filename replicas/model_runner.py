@@ -16,7 +16,7 @@ from kernels import cpu_linear, kv_cache_bytes_per_block, kv_cache_shape
 from replicas.block_manager import kv_window_of
 from replicas.config import EngineConfig
 from replicas.input_batch import InputBatch
-from replicas.model_loader import DTYPES, load_model
+from replicas.model_loader import DTYPES, load_model, resolve_device
 from replicas.outputs import PositionLogprobs
 from replicas.parallel import state as parallel_state
 from replicas.pooling import PromptPooler
@@ -33,12 +33,6 @@ class RunnerOutput:
     # seq_id -> (first prompt position p, logprobs of prompt tokens p+1, p+2, ...)
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     pooled: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> pooling embedding
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class ModelRunner:

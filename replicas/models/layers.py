@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_linear, norm_act, quant_linear
-from kernels.quantized import QuantWeight, cat_rows
+from kernels.quantized import QuantWeight, cat_rows, share_input_order
 from kernels.reference import dequantize_weight
 
 _deferred = contextvars.ContextVar("deferred_weights", default=False)
@@ -73,11 +73,7 @@ class QuantParts:
             raise ValueError(f"{name}: quantized parts cover rows 0..{row} of {self.num_rows} "
                              "(a fused projection must be quantized in all of its parts)")
         parts = [self.parts[s] for s in starts]
-        perms = [p.perm for p in parts]
-        if all(a is None and b is None or a is not None and b is not None and torch.equal(a, b)
-               for a, b in zip(perms, perms[1:])):
-            return [cat_rows(parts)]
-        return parts
+        return [cat_rows(parts)] if share_input_order(parts) else parts
 
 
 def pack_quantized(weight: QuantWeight, device: torch.device):

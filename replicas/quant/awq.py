@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import gather, quant_weight, suffix_piece, unpack_int32
+from replicas.quant.module_pieces import checked_groups, gather, quant_weight, suffix_piece, unpack_int32
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 VERSIONS = ("gemm",)
@@ -46,14 +46,8 @@ class AWQScheme:
         values = unpack_awq(parts["qweight"])  # [k, n]
         k, n = values.shape
         scales = parts["scales"]
-        group_size = k if self.group_size == -1 else self.group_size
-        if k % group_size or scales.shape != (k // group_size, n):
-            raise ValueError(f"{module}: AWQ scales {list(scales.shape)} do not fit a [{n}, {k}] "
-                             f"weight in groups of {group_size}")
         zeros = unpack_awq(parts["qzeros"])[:, :n]
-        if zeros.shape != scales.shape:
-            raise ValueError(f"{module}: AWQ qzeros unpack to {list(zeros.shape)}, scales are "
-                             f"{list(scales.shape)}")
+        group_size = checked_groups("AWQ", module, k, n, self.group_size, scales, zeros)
         return quant_weight(values, scales, zeros, self.bits, group_size, None)
 
 

@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import act_order, gather, quant_weight, suffix_piece, unpack_int32
+from replicas.quant.module_pieces import (act_order, checked_groups, gather, quant_weight,
+                                          suffix_piece, unpack_int32)
 
 BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -52,14 +53,8 @@ class GPTQScheme:
         values = unpack_int32(parts["qweight"], bits, dim=0)  # [k, n]
         k, n = values.shape
         scales = parts["scales"]
-        group_size = k if self.group_size == -1 else self.group_size
-        if k % group_size or scales.shape != (k // group_size, n):
-            raise ValueError(f"{module}: GPTQ scales {list(scales.shape)} do not fit a [{n}, {k}] "
-                             f"weight in groups of {group_size}")
         zeros = unpack_int32(parts["qzeros"], bits, dim=1)[:, :n].float()
-        if zeros.shape != scales.shape:
-            raise ValueError(f"{module}: GPTQ qzeros unpack to {list(zeros.shape)}, scales are "
-                             f"{list(scales.shape)}")
+        group_size = checked_groups("GPTQ", module, k, n, self.group_size, scales, zeros)
         if self.checkpoint_format == "gptq":
             zeros = zeros + 1
         perm = act_order(parts.get("g_idx"), k, group_size, module)

@@ -83,6 +83,20 @@ def act_order(g_idx: torch.Tensor | None, in_features: int, group_size: int, mod
     return None if torch.equal(perm, torch.arange(in_features)) else perm
 
 
+def checked_groups(method: str, module: str, k: int, n: int, group_size: int,
+                   scales_gn: torch.Tensor, zeros_gn: torch.Tensor) -> int:
+    """The group size (-1 in a config: per channel) of a [n, k] weight stored input-major, once
+    its per-group scales and unpacked zeros are checked to fit it."""
+    group_size = k if group_size == -1 else group_size
+    if k % group_size or scales_gn.shape != (k // group_size, n):
+        raise ValueError(f"{module}: {method} scales {list(scales_gn.shape)} do not fit a [{n}, {k}] "
+                         f"weight in groups of {group_size}")
+    if zeros_gn.shape != scales_gn.shape:
+        raise ValueError(f"{module}: {method} qzeros unpack to {list(zeros_gn.shape)}, scales are "
+                         f"{list(scales_gn.shape)}")
+    return group_size
+
+
 def quant_weight(values_kn: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: torch.Tensor | float,
                  bits: int, group_size: int, perm: torch.Tensor | None) -> QuantWeight:
     """Input-major unsigned values [k, n] with W = (q - zero) * scale per (group, column) ->
