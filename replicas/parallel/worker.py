@@ -15,6 +15,7 @@ every rank: a rank's cache holds its own KV heads of each block.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -42,24 +43,21 @@ class StepInput:
            logits_indices) -> "StepInput":
         # Copies: the driver's tensors are views of its persistent buffers (pickling a view
         # would send the whole buffer) and may live on a device.
-        def host(t):
-            return None if t is None else t.to("cpu", copy=True)
-        meta = AttentionMetadata(host(metadata.slot_mapping), host(metadata.query_start_loc),
-                                 host(metadata.seq_lens), host(metadata.block_tables),
-                                 metadata.query_lens_cpu, metadata.seq_lens_cpu,
-                                 metadata.query_start_loc_cpu)
-        return cls(host(input_ids), host(positions), meta, prompt_logit_rows, host(logits_indices))
+        step = cls(input_ids, positions, metadata, prompt_logit_rows, logits_indices)
+        return step._map(lambda t: t.to("cpu", copy=True))
 
     def to(self, device: torch.device) -> "StepInput":
-        if device.type == "cpu":
-            return self
+        return self if device.type == "cpu" else self._map(lambda t: t.to(device))
+
+    def _map(self, move) -> "StepInput":
+        """The same step with every tensor passed through move (the host lists stay)."""
         m = self.metadata
-        meta = AttentionMetadata(m.slot_mapping.to(device), m.query_start_loc.to(device),
-                                 m.seq_lens.to(device), m.block_tables.to(device),
-                                 m.query_lens_cpu, m.seq_lens_cpu, m.query_start_loc_cpu)
-        indices = None if self.logits_indices is None else self.logits_indices.to(device)
-        return StepInput(self.input_ids.to(device), self.positions.to(device), meta,
-                         self.prompt_logit_rows, indices)
+        meta = dataclasses.replace(m, slot_mapping=move(m.slot_mapping),
+                                   query_start_loc=move(m.query_start_loc),
+                                   seq_lens=move(m.seq_lens), block_tables=move(m.block_tables))
+        indices = None if self.logits_indices is None else move(self.logits_indices)
+        return StepInput(move(self.input_ids), move(self.positions), meta, self.prompt_logit_rows,
+                         indices)
 
 
 def run_step(model, kv_caches: list[torch.Tensor], step: StepInput) -> None:
