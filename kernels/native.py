@@ -59,6 +59,7 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
                       "the bf16 one AVX512-BF16)"),
     6: (ValueError, "quantized weight layout the kernel cannot run: bits must be 4 or 8 and the "
                     "group size divide k (and be even for 4 bits)"),
+    7: (ValueError, "group offsets must start at 0 and never decrease"),
 }
 _F32 = torch.float32
 
@@ -205,6 +206,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
         "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "pagedserve_linear_panel": [],
+        "pagedserve_grouped_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "pagedserve_linear_bf16": [ptr, ptr, i64, ptr, ptr, i32, i64, i64, i64, i32],
         "pagedserve_linear_bf16_panel": [],
         "pagedserve_quant_linear": [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, i32],

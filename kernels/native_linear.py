@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
 # Bits of the bf16 kernel's `dtypes` argument (csrc/gemm_bf16.c): which of out, x, bias are bf16.
 _BF16_OUT, _BF16_X, _BF16_BIAS, _BF16_WIDEN = 1, 2, 4, 8
-_linear_by_panel: dict[int, object] = {}  # panel width -> the pagedserve_linear that packs it
+_library_by_panel: dict[int, object] = {}  # panel width -> the library whose GEMMs use it
 
 
 @functools.cache
@@ -57,7 +57,7 @@ def pack_linear_weight(weight: torch.Tensor, level: str | None = None) -> torch.
     panel = lib.pagedserve_linear_panel()
     if not panel:
         raise RuntimeError(_STATUS[5][1])
-    _linear_by_panel.setdefault(panel, lib.pagedserve_linear)
+    _library_by_panel.setdefault(panel, lib)
     n, k = weight.shape
     padded = torch.zeros((n + panel - 1) // panel * panel, k)
     padded[:n] = weight
@@ -68,10 +68,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
            ) -> torch.Tensor:
     """x [rows, k] (rows may be strided) . W^T (+ bias) -> [rows, n], W packed by
     pack_linear_weight; runs the GEMM of the level whose panel width the packing has."""
-    gemm = _linear_by_panel.get(packed.shape[-1]) if packed.dim() == 3 else None
+    lib = _library_by_panel.get(packed.shape[-1]) if packed.dim() == 3 else None
     if not (x.dtype is torch.float32 and x.is_cpu and _fits(packed)):
         _explain(x=x.contiguous(), packed=packed)
-    if x.dim() != 2 or gemm is None or packed.shape[1] != x.shape[1] or packed.shape[0] * packed.shape[2] < n:
+    if x.dim() != 2 or lib is None or packed.shape[1] != x.shape[1] or packed.shape[0] * packed.shape[2] < n:
         raise ValueError(f"x {list(x.shape)} does not fit packed weight {list(packed.shape)} with n={n}")
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -82,8 +82,33 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
             raise ValueError(f"bias must have shape [{n}], got {list(bias.shape)}")
     rows, k = x.shape
     out = torch.empty(rows, n)
-    _check(gemm(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
-                None if bias is None else bias.data_ptr(), rows, n, k, torch.get_num_threads()))
+    _check(lib.pagedserve_linear(out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), rows, n, k, torch.get_num_threads()))
+    return out
+
+
+def grouped_linear(x: torch.Tensor, packed: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g + 1] of x [rows, k] through weight g -> [rows, n]: packed is
+    [groups, panels, k, panel], each group packed by pack_linear_weight (torch.stack of them);
+    offsets int64 [groups + 1], from 0, non-decreasing, ending at rows (a mixture of experts'
+    tokens sorted by expert). One native call for every expert of a layer."""
+    groups = packed.shape[0] if packed.dim() == 4 else 0
+    lib = _library_by_panel.get(packed.shape[-1]) if groups else None
+    if not (x.dtype is torch.float32 and x.is_cpu and _fits(packed)):
+        _explain(x=x.contiguous(), packed=packed)
+    if (x.dim() != 2 or lib is None or packed.shape[2] != x.shape[1] or packed.shape[1] * packed.shape[3] < n
+            or offsets.dtype is not torch.int64 or not offsets.is_contiguous() or offsets.shape != (groups + 1,)):
+        raise ValueError(f"x {list(x.shape)} and offsets {offsets.dtype} {list(offsets.shape)} do not fit "
+                         f"grouped packed weights {list(packed.shape)} with n={n}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    if int(offsets[-1]) != rows:
+        raise ValueError(f"offsets end at {int(offsets[-1])}, x has {rows} rows")
+    out = torch.empty(rows, n)
+    _check(lib.pagedserve_grouped_linear(
+        out.data_ptr(), x.data_ptr(), x.stride(0), packed.data_ptr(), offsets.data_ptr(), groups, n, k,
+        torch.get_num_threads()))
     return out
 
 

@@ -93,3 +93,12 @@ def quant_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> t
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g + 1] of x [rows, k] times weights[g]^T ([groups, n, k]) ->
+    [rows, n]: a mixture of experts' projection over its tokens sorted by expert."""
+    out = x.new_empty(x.shape[0], weights.shape[1])
+    for g, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        out[start:end] = x[start:end] @ weights[g].T
+    return out

@@ -14,6 +14,7 @@ enum {
     PS_OUT_OF_MEMORY = 4,
     PS_UNSUPPORTED = 5,
     PS_BAD_QUANT_LAYOUT = 6,
+    PS_BAD_GROUP_OFFSETS = 7,
 };
 
 /* A hint only: compilers without the builtin lose speed, not correctness. */

@@ -95,6 +95,9 @@ class CausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.pack(name)
+        for module in self.modules():  # modules that run their projections' packings together
+            if hasattr(module, "combine_packed"):
+                module.combine_packed()
         if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
             quantized = self.lm_head.quantized
             self.tied_lm_head_quantized = quantized is not None

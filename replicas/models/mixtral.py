@@ -1,15 +1,18 @@
 """Mixtral: the Llama decoder with a sparse mixture-of-experts MLP.
 
 Routing as transformers does it: softmax over the router logits in float32, the top k experts
-per token, their weights renormalised to sum to 1. The (token, expert) pairs are sorted by expert
-so each expert runs one GEMM pair over all of its tokens in the step (a loop over experts, never
-over tokens), and the weighted outputs are scattered back with one index_add.
+per token, their weights renormalised to sum to 1. The (token, expert) pairs are sorted by expert,
+so every expert's tokens are one block of rows; on the native CPU GEMM all experts' blocks go
+through one grouped GEMM per projection (kernels/native_linear.grouped_linear: one call per layer,
+the threads split experts' panels), elsewhere each expert runs one GEMM pair over its block (a loop
+over experts, never over tokens). The weighted outputs are scattered back with one index_add.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels import cpu_linear, native_linear
 from replicas.models.causal_lm import split_rows
 from replicas.models.layers import Linear
 from replicas.models.llama import LlamaForCausalLM
@@ -24,6 +27,21 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, False, dtype, device)
         self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act, dtype, device)
                                      for _ in range(num_experts))
+        self.grouped: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) stacks
+
+    def combine_packed(self) -> None:
+        """Once every expert's projections are packed: on the native fp32 GEMM, stack them into
+        one weight per projection for the grouped GEMM; each expert keeps a view of its part."""
+        projections = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+        if not all(p.packed is not None and p.packed.kind == "native" for pair in projections for p in pair):
+            return
+        stacks = []
+        for which in range(2):
+            stack = torch.stack([pair[which].packed.tensor for pair in projections])
+            for pair, part in zip(projections, stack):
+                pair[which].packed = cpu_linear.PackedWeight("native", part, pair[which].packed.out_features)
+            stacks.append(stack)
+        self.grouped = (stacks[0], stacks[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -31,15 +49,23 @@ class SparseMoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()  # one host sync
+        counts = torch.bincount(flat_experts, minlength=self.num_experts)
         tokens = order // self.top_k
         grouped = x.index_select(0, tokens)
-        outputs, start = [], 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                outputs.append(expert(grouped[start:start + count]))
-                start += count
-        weighted = torch.cat(outputs) * weights.flatten()[order, None]
+        if self.grouped is not None:
+            offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            first = self.experts[0]
+            hidden = native_linear.grouped_linear(grouped, self.grouped[0], offsets, 2 * first.intermediate_size)
+            out = native_linear.grouped_linear(first.act_and_mul(hidden), self.grouped[1], offsets, x.shape[-1])
+        else:
+            outputs, start = [], 0
+            for expert, count in zip(self.experts, counts.tolist()):  # one host sync
+                if count:
+                    outputs.append(expert(grouped[start:start + count]))
+                    start += count
+            out = torch.cat(outputs)
+        weighted = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from kernels import native_linear
 from replicas import LLM, SamplingParams
 from replicas.models import MODEL_REGISTRY, get_model_class
 from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family
@@ -56,6 +57,9 @@ def test_greedy_matches_transformers(family, mode):
               for m in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in family.prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == family.expected
+    if family.name == "mixtral" and native_linear.linear_available():  # experts on the grouped GEMM
+        moe = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "grouped")]
+        assert moe and all(m.grouped is not None for m in moe)
     stats = llm.llm_engine.stats()
     if mode == "preempted":
         assert stats["num_preemptions"] > 0
