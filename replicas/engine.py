@@ -38,11 +38,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config.tokenizer or self.model_dir))
         self.token_decoder = TokenDecoder(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
-        # Past the rotary table outputs would be wrong (sliding windows need no cap: the kernels
-        # apply them, and the block manager drops the blocks no layer's window reaches).
-        limit = self.runner.model.max_context_len
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        self.runner.model.set_max_model_len(self.max_model_len)  # Phi-3's longrope picks by it
+        self.max_model_len = self.runner.model.set_max_model_len(config.max_model_len)
         self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME
         self.block_size = config.block_size
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)

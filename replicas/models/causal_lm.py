@@ -83,12 +83,17 @@ class CausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        """The longest sequence the engine serves; rotary tables that depend on it follow it
-        (Phi-3's longrope factor set, picked once as vLLM does: see rotary.py)."""
+    def set_max_model_len(self, requested: int | None) -> int:
+        """The longest sequence the engine serves: the one requested (None: the longest there is),
+        at most max_context_len, past which outputs would be wrong (sliding windows need no cap:
+        the kernels apply them, and the block manager drops the blocks no layer's window
+        reaches). Rotary tables that depend on it follow it (Phi-3's longrope factor set, picked
+        once as vLLM does: see rotary.py). Returns it."""
+        max_model_len = min(requested or self.max_context_len, self.max_context_len)
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module.set_max_model_len(max_model_len)
+        return max_model_len
 
     def pack_weights(self) -> None:
         """After loading, on CPU: every projection (and a tied lm_head) gets its packed weight."""

@@ -97,10 +97,7 @@ class TensorParallelWorker:
                                          attention_backend=config.attention_backend, tp=tp,
                                          quantization=config.quantization)
             kv_dtype = dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
-            # The driver's LLMEngine caps the served length the same way (Phi-3's longrope picks
-            # its factors by it).
-            limit = model.max_context_len
-            model.set_max_model_len(min(config.max_model_len or limit, limit))
+            model.set_max_model_len(config.max_model_len)  # as the driver's LLMEngine does
             num_blocks = self._receive(tp)
             if num_blocks is None:  # the driver failed to start
                 return
