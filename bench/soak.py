@@ -31,6 +31,11 @@ APP = "pagedserve"
 RSS_GROWTH_LIMIT = 0.05
 SAMPLE_EVERY_S = 5.0
 LOADING_JUMP = 1.1  # a sample 10 % above the one before: a process still loading its model
+# Per replica. The ingress mirrors every replica's cached block hashes for routing (~300 bytes
+# each), so its memory grows until the replicas' prefix caches are full: 0.25 GiB of the tiny
+# model's KV (21,845 blocks each) took longer than the warm-up to fill, and that growth read as a
+# leak; 2,048 blocks (a 32-sequence batch needs ~320) fill within seconds and keep eviction busy.
+KV_BLOCKS = 2048
 # A replica's death is seen by the routers within a few seconds: requests sent to it meanwhile
 # fail like the ones in flight on it.
 KILL_WINDOW_S = 5.0
@@ -247,7 +252,7 @@ def main() -> None:
     settings = ServeSettings.from_args({
         "model": args.model, "num_replicas": args.replicas,
         "replica_num_cpus": 2 / (args.replicas + 1), "num_threads": 1,
-        "served_model_name": "soak", "max_num_seqs": 32, "kv_cache_memory_gb": 0.25,
+        "served_model_name": "soak", "max_num_seqs": 32, "num_kv_blocks": KV_BLOCKS,
         "health_check_period_s": 1.0, "host": "127.0.0.1", "port": port,
         "direct_http": args.http == "direct"})
     serve.run(build_app(start_serve(settings)), name=APP, route_prefix="/")

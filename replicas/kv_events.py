@@ -3,8 +3,9 @@
 The three kinds vLLM publishes (`vllm/distributed/kv_events.py`): `BlockStored` (a run of
 consecutive blocks of one hash chain, named by the parent of the first), `BlockRemoved`,
 `AllBlocksCleared`. The block manager appends them to a `KVEventLog`, which numbers them 0, 1, 2...
-and keeps the newest `capacity`; a reader that falls further behind finds a hole and must resync
-from a `KVSnapshot`: the cached hashes plus the sequence number they are consistent with.
+and keeps the newest `capacity` of the last `retain_s` seconds; a reader that falls further behind
+finds a hole and must resync from a `KVSnapshot`: the cached hashes plus the sequence number they
+are consistent with.
 
 `KVEventPublisher` is the replica's end of the stream, for Ray Serve's routing stats (which
 travel as plain types: on the wire an event is a tuple `(seq, kind, *fields)`); the router's end
@@ -25,6 +26,10 @@ DEFAULT_LOG_CAPACITY = 1 << 16  # events; many times a report window's worth at 
 # that misses a report or two, or a poll the controller timed out on, still sees a gapless stream.
 EVENT_WINDOW_S = 3.0
 SNAPSHOT_PERIOD_S = 60.0  # the safety net: even a reader that found a hole is exact again by then
+# The log forgets events older than this, many report windows: a reader further behind resyncs
+# from a snapshot anyway, and holding up to the capacity at a modest rate (a few hundred events a
+# second) kept ~15 MB per replica for minutes, which a soak read as a leak.
+LOG_RETAIN_S = 10 * EVENT_WINDOW_S
 
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 
@@ -55,16 +60,27 @@ class KVSnapshot:
 
 
 class KVEventLog:
-    """Numbered and bounded. The engine thread appends while Ray's stats call reads: a lock."""
+    """Numbered and bounded, in count and in age (retain_s). The engine thread appends while
+    Ray's stats call reads: a lock."""
 
-    def __init__(self, capacity: int = DEFAULT_LOG_CAPACITY):
+    def __init__(self, capacity: int = DEFAULT_LOG_CAPACITY, retain_s: float = LOG_RETAIN_S,
+                 clock: Callable[[], float] = time.monotonic):
         self._events: deque[KVCacheEvent] = deque(maxlen=capacity)  # a full deque drops the oldest
+        self._times: deque[float] = deque(maxlen=capacity)  # when each was appended
         self._lock = threading.Lock()
         self.next_seq = 0  # the number the next event gets
+        self.retain_s = retain_s
+        self._clock = clock
 
     def append(self, event: KVCacheEvent) -> None:
+        now = self._clock()
         with self._lock:
-            self._events.append(event)
+            events, times = self._events, self._times
+            while times and times[0] < now - self.retain_s:
+                times.popleft()
+                events.popleft()
+            events.append(event)
+            times.append(now)
             self.next_seq += 1
 
     def since(self, seq: int) -> list[KVCacheEvent] | None:

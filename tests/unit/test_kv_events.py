@@ -38,6 +38,16 @@ def test_log_numbers_events_and_drops_the_oldest():
     assert log.since(6) is None
 
 
+def test_log_forgets_events_older_than_it_retains():
+    clock = Clock()
+    log = KVEventLog(capacity=100, retain_s=30.0, clock=clock)
+    for second in range(40):
+        clock.now = float(second)
+        log.append(BlockRemoved([second]))
+    assert log.since(9) == [BlockRemoved([h]) for h in range(9, 40)]  # at most 30 s old
+    assert log.since(8) is None  # forgotten: the reader must resync
+
+
 def test_events_survive_the_wire():
     for event in (BlockStored([1, 2], None), BlockStored([3], 2), BlockRemoved([4]),
                   AllBlocksCleared()):
