@@ -8,11 +8,14 @@ Formats: `float32` (the converted default checkpoint), `gguf-q4_1` (the GGUF fil
 ships, as it is), and checkpoints quantized here from the float32 weights in each real on-disk
 layout (tests/quant_checkpoints.py writes them: round-to-nearest, so they measure speed and
 memory, not quantization quality): `gguf-<type>` (q8_0, q4_0, q4_k, q6_k ...), `gptq-w4g<G>`,
-`awq-w4g<G>`, `ct-w4a16`, `ct-w8a16`.
+`awq-w4g<G>`, `ct-w4a16`, `ct-w8a16`. A suffix `-a8` (e.g. `gguf-q4_1-a8`) runs that checkpoint
+with int8 activations (PAGEDSERVE_QUANT_ACTIVATIONS=int8, kernels/quant_linear.py), which is
+faster and not token-exact.
 
 Each format runs in its own subprocess (peak RSS is its own), formats alternate within each
 round, and each line reports the median round. Output tokens/s of greedy decoding with
-ignore_eos (16-token prompts, 64 new tokens), at each batch size; the weights' bytes as the
+ignore_eos (16-token prompts, 64 new tokens), at each batch size, and the CPU time per output
+token (the machines are shared: CPU time is steadier than wall time); the weights' bytes as the
 model holds them (packed) and the process's peak RSS. Ratios are against the first format.
 Writes bench/results/quantized.json and quantized.png.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -60,14 +64,16 @@ def child(args) -> None:
     model = llm.llm_engine.runner.model
     prompt = list(range(100, 100 + PROMPT_LEN))
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4), use_tqdm=False)
-    result = {"weight_bytes": weight_bytes(model), "tok_s": {}}
+    result = {"weight_bytes": weight_bytes(model), "tok_s": {}, "cpu_ms_per_tok": {}}
     for batch in args.batches:
         prompts = [{"prompt_token_ids": [t + i for t in prompt]} for i in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        result["tok_s"][str(batch)] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result["tok_s"][str(batch)] = tokens / elapsed
+        result["cpu_ms_per_tok"][str(batch)] = cpu / tokens * 1e3
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result))
 
@@ -98,10 +104,16 @@ def make_checkpoint(fmt: str, fp32_dir: Path, out: Path) -> Path:
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def run_child(model_path: Path, threads: int, batches: list[int]) -> dict:
+INT8_SUFFIX = "-a8"
+
+
+def run_child(model_path: Path, threads: int, batches: list[int], int8: bool = False) -> dict:
+    from kernels.quant_linear import ACTIVATIONS_ENV
+
     cmd = [sys.executable, "-m", "bench.quantized", "--child", str(model_path),
            "--threads", str(threads), "--batches", ",".join(map(str, batches))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, ACTIVATIONS_ENV: "int8" if int8 else "float32"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{model_path}: child failed:\n{proc.stderr[-3000:]}")
@@ -150,16 +162,20 @@ def main() -> None:
     formats = args.formats.split(",")
     fp32_dir = ensure_default_model()
     workdir = Path(tempfile.mkdtemp(prefix="bench-quantized-"))
-    paths = {fmt: make_checkpoint(fmt, fp32_dir, workdir) for fmt in formats}
+    paths = {fmt: make_checkpoint(fmt.removesuffix(INT8_SUFFIX), fp32_dir, workdir) for fmt in formats}
     rounds: dict[str, list[dict]] = {fmt: [] for fmt in formats}
     for r in range(args.rounds):
         for fmt in formats if r % 2 == 0 else reversed(formats):  # alternate the order too
-            rounds[fmt].append(run_child(paths[fmt], args.threads, args.batches))
+            rounds[fmt].append(run_child(paths[fmt], args.threads, args.batches,
+                                         fmt.endswith(INT8_SUFFIX)))
+            run = rounds[fmt][-1]
             print(f"round {r + 1} {fmt}: " + ", ".join(
-                f"b{b} {rounds[fmt][-1]['tok_s'][str(b)]:.0f}" for b in args.batches) + " tok/s",
-                flush=True)
+                f"b{b} {run['tok_s'][str(b)]:.0f} tok/s {run['cpu_ms_per_tok'][str(b)]:.1f} cpu-ms/tok"
+                for b in args.batches) + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     medians = {fmt: {"tok_s": {str(b): statistics.median(x["tok_s"][str(b)] for x in runs)
                                for b in args.batches},
+                     "cpu_ms_per_tok": {str(b): statistics.median(x["cpu_ms_per_tok"][str(b)]
+                                                                  for x in runs) for b in args.batches},
                      "weight_bytes": runs[0]["weight_bytes"],
                      "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs)}
                for fmt, runs in rounds.items()}
@@ -171,6 +187,9 @@ def main() -> None:
         cells = " ".join(f"{m['tok_s'][str(b)]:>11.0f} {m['tok_s'][str(b)] / medians[base]['tok_s'][str(b)]:>5.2f}x"
                          for b in args.batches)
         print(f"{fmt:>12} {cells} {m['weight_bytes'] / 2**20:>12.1f} {m['peak_rss_mb']:>12.0f}")
+    print("CPU ms per output token: " + "; ".join(
+        f"{fmt} " + " ".join(f"b{b} {medians[fmt]['cpu_ms_per_tok'][str(b)]:.2f}" for b in args.batches)
+        for fmt in formats) + f" (load average {os.getloadavg()[0]:.1f})")
     path = write_result("quantized", {"formats": formats, "batches": args.batches,
                                       "threads": args.threads, "rounds": args.rounds,
                                       "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,

@@ -211,6 +211,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_linear_bf16_panel": [],
         "pagedserve_quant_linear": [ptr, ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i64, i64, i64, i64, i32],
         "pagedserve_quant_linear_panel": [],
+        "pagedserve_quant_linear_i8": [ptr, ptr, i64, ptr, ptr, i32, ptr, i32, i64, i64, i64, i64, i32],
+        "pagedserve_quant_linear_i8_panel": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

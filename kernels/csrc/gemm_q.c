@@ -117,14 +117,14 @@ static void gather_rows(float *dst, const void *x, int x_bf16, int64_t x_stride,
  * above; bias: [n] or NULL. Returns PS_BAD_QUANT_LAYOUT for a bits / group size the packing
  * cannot have, PS_OUT_OF_MEMORY if a scratch buffer cannot be had. */
 int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const int64_t *perm,
-                            const uint8_t *q, const float *so, const void *bias, int dtypes,
+                            const uint8_t *q, const void *so, const void *bias, int dtypes,
                             int bits, int64_t group_size, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
     if (!(bits == 4 || bits == 8) || group_size <= 0 || k % group_size || (bits == 4 && group_size % 2)
         || rows < 0 || n < 0)
         return PS_BAD_QUANT_LAYOUT;
     if (rows == 0 || n == 0) return PS_OK;
-    int out_bf16 = dtypes & PSQ_BF16_OUT, x_bf16 = dtypes & PSQ_BF16_X;
+    int out_bf16 = dtypes & PSQ_BF16_OUT, x_bf16 = dtypes & PSQ_BF16_X, so_f16 = dtypes & PSQ_F16_SO;
     float *converted = NULL;
     const float *xf = x;
     if (perm || x_bf16) {
@@ -162,13 +162,15 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
 #pragma omp parallel num_threads(threads)
     {
         float *scratch = direct ? NULL : malloc((size_t)(k * Q_PANEL) * sizeof *scratch);
-        if (!direct && !scratch) {
+        /* Halves widen once per panel into floats the kernels read from L1. */
+        float *so_floats = so_f16 ? malloc((size_t)(groups * 2 * Q_PANEL) * sizeof *so_floats) : NULL;
+        if ((!direct && !scratch) || (so_f16 && !so_floats)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
-            if (!direct && !scratch) continue;
+            if ((!direct && !scratch) || (so_f16 && !so_floats)) continue;
             int64_t first_col = p * Q_PANEL;
             int64_t cols = n - first_col < Q_PANEL ? n - first_col : Q_PANEL;
             float panel_bias[Q_PANEL] = {0};
@@ -179,7 +181,12 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
                         : ((const float *)bias)[first_col + c];
             }
             const uint8_t *panel_q = q + p * panel_bytes;
-            const float *panel_so = so + p * groups * 2 * Q_PANEL;
+            const float *panel_so = (const float *)so + p * groups * 2 * Q_PANEL;
+            if (so_f16) {
+                const uint16_t *h = (const uint16_t *)so + p * groups * 2 * Q_PANEL;
+                for (int64_t i = 0; i < groups * 2 * Q_PANEL; i += QV) qv_store(so_floats + i, qv_load_half(h + i));
+                panel_so = so_floats;
+            }
             if (!direct) dequantize_panel(scratch, panel_q, panel_so, k, group_size, bits);
             for (int64_t t = 0, r = 0; t < tiles; t++) {
                 int mr = (int)((rows - r + (tiles - t) - 1) / (tiles - t));
@@ -197,6 +204,7 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
             }
         }
         free(scratch);
+        free(so_floats);
     }
     free(xsum_heap);
     free(converted);
@@ -208,7 +216,7 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
 int pagedserve_quant_linear_panel(void) { return 0; }
 
 int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const int64_t *perm,
-                            const uint8_t *q, const float *so, const void *bias, int dtypes,
+                            const uint8_t *q, const void *so, const void *bias, int dtypes,
                             int bits, int64_t group_size, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
     (void)out, (void)x, (void)x_stride, (void)perm, (void)q, (void)so, (void)bias, (void)dtypes;

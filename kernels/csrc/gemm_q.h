@@ -8,14 +8,16 @@
  *           2c + 1 in the high one (QuantWeight's own byte, transposed), so one load of a vector's
  *           bytes widens to the values of two consecutive k for its columns;
  *   8 bits: q[panel][k][Q_PANEL] bytes;
- *   so[panel][k / group_size][2][Q_PANEL] floats: each group's scales, then its offsets. */
+ *   so[panel][k / group_size][2][Q_PANEL] floats (or halves: PSQ_F16_SO): each group's scales,
+ *           then its offsets. */
 #ifndef PAGEDSERVE_GEMM_Q_H
 #define PAGEDSERVE_GEMM_Q_H
 
 #include "common.h"
 
-/* Bits of `dtypes`: which of out, x and bias are bf16 (else fp32). */
-enum { PSQ_BF16_OUT = 1, PSQ_BF16_X = 2, PSQ_BF16_BIAS = 4 };
+/* Bits of `dtypes`: which of out, x and bias are bf16 (else fp32), and whether so holds IEEE
+ * halves (packed so where they round-trip, as GGUF's do: fewer bytes a step streams). */
+enum { PSQ_BF16_OUT = 1, PSQ_BF16_X = 2, PSQ_BF16_BIAS = 4, PSQ_F16_SO = 8 };
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -34,6 +36,7 @@ typedef __m512i qivec;
 #define qv_float _mm512_cvtepi32_ps
 #define qv_low_nibble(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
 #define qv_high_nibble(v) _mm512_srli_epi32(v, 4)
+#define qv_load_half(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 /* QV bytes -> QV int32 lanes. */
 static inline __attribute__((always_inline)) qivec qv_bytes(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -56,6 +59,7 @@ typedef __m256i qivec;
 #define qv_float _mm256_cvtepi32_ps
 #define qv_low_nibble(v) _mm256_and_si256(v, _mm256_set1_epi32(15))
 #define qv_high_nibble(v) _mm256_srli_epi32(v, 4)
+#define qv_load_half(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 static inline __attribute__((always_inline)) qivec qv_bytes(const uint8_t *p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }

@@ -37,6 +37,12 @@ def random_weight(n, k, bits, group_size, *, symmetric=False, perm=False, seed=0
     return QuantWeight(bits, group_size, pack_values(values, bits), scales, offsets, order)
 
 
+def half_scaled(weight: QuantWeight) -> QuantWeight:
+    """weight with scales and offsets that are IEEE halves, as GGUF's are."""
+    return QuantWeight(weight.bits, weight.group_size, weight.q, weight.scales.half().float(),
+                       weight.offsets.half().float(), weight.perm)
+
+
 def assert_matches(out, x, weight, bias=None):
     expected = reference.quant_linear(x, weight, bias)
     assert out.dtype == expected.dtype and out.shape == expected.shape
@@ -125,7 +131,23 @@ def test_loaded_level_packs_fewer_bytes_in_its_panel_width():
                                                             "avx512_bf16": 48}[native.cpu_level()]
     # 4 bits + an fp32 scale and offset per 32 values: 0.75 bytes a value, against fp32's 4.
     assert packed.nbytes == 960 * 576 * 3 // 4
+    # Scales and offsets that are halves (GGUF's) pack as halves: 0.625 bytes a value.
+    assert quant_linear.pack(half_scaled(weight)).nbytes == 960 * 576 * 5 // 8
     assert quant_linear.pack(weight, "dense").nbytes >= 960 * 576 * 4
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 1536])
+@pytest.mark.parametrize("rows", [1, 13, 65])
+def test_half_scales_and_offsets_pack_as_halves(level, bits, group_size, rows):
+    """GGUF's scales are halves: packed as such (fewer bytes), with the same values."""
+    weight = half_scaled(random_weight(50, 1536, bits, group_size, seed=rows))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+    packed = quant_linear.pack(weight, level)
+    if level != "dense":
+        assert packed.scale_offsets.dtype == torch.float16
+    assert_matches(quant_linear.linear(x, packed), x, weight)
 
 
 def test_empty_rows():
@@ -160,3 +182,92 @@ def test_perm_out_of_range_is_refused_at_pack():
     bad = QuantWeight(8, 16, weight.q, weight.scales, weight.offsets, torch.arange(64) + 1)
     with pytest.raises(ValueError, match="perm"):
         quant_linear.pack(bad)
+
+
+# The int8-activation kernel (csrc/gemm_q_i8.c): AVX-512 levels on CPUs with VNNI.
+def _i8_levels():
+    vnni = "avx512_vnni" in cpu_features.cpu_flags()
+    return [pytest.param(level, marks=pytest.mark.skipif(
+        not (native.available() and _runs_here(level) and vnni), reason=f"no {level} + VNNI here"))
+        for level in ("avx512", "avx512_bf16")]
+
+
+I8_LEVELS = _i8_levels()
+
+
+def assert_matches_int8(out, x, weight, bias=None):
+    expected = quant_linear.int8_activation_reference(x, weight, bias)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    scale = expected.float().abs().max().item() + 1e-3
+    tol = 2e-5 if x.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("level", I8_LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 576])
+@pytest.mark.parametrize("rows", [1, 3, 17, 65])
+@pytest.mark.parametrize("halves", [False, True], ids=["f32so", "f16so"])
+def test_int8_activations_match_their_reference(level, bits, group_size, rows, halves):
+    weight = random_weight(130, 576, bits, group_size, symmetric=bits == 8, seed=rows)
+    weight = half_scaled(weight) if halves else weight
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0  # an all-zero block: dx 0
+    packed = quant_linear.pack(weight, level, activations="int8")
+    assert packed.kind == f"w{bits}a8" and packed.panel == 64
+    assert packed.scale_offsets.dtype == (torch.float16 if halves else torch.float32)
+    assert_matches_int8(quant_linear.linear(x, packed), x, weight)
+
+
+@pytest.mark.parametrize("level", I8_LEVELS)
+@pytest.mark.parametrize("n", [1, 50, 960])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations_ragged_n_perm_bias_dtype_threads(level, n, threads, dtype):
+    weight = random_weight(n, 1536, 4, 32, perm=True, seed=n)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(4, 2 * 1536, generator=gen).to(dtype)[:, 7:1543]  # strided rows
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = quant_linear.pack(weight, level, activations="int8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_int8(quant_linear.linear(x, packed, bias), x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int8_activation_reference_is_close_to_the_exact_spec():
+    weight = random_weight(64, 576, 4, 32)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    exact = reference.quant_linear(x, weight)
+    approx = quant_linear.int8_activation_reference(x, weight)
+    # Each activation is off by at most half a step of amax / 127 of its block.
+    assert (approx - exact).abs().max() < 0.02 * exact.abs().max()
+    assert not torch.equal(approx, exact)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_int8_activations_fall_back_to_the_float_kernel(level):
+    """Where the int8 kernel cannot take a weight (groups not whole blocks of 32, no VNNI, the
+    AVX2 level, the dense fallback) packing keeps the float32-activation kernel."""
+    for weight in (random_weight(50, 576, 4, 16), random_weight(50, 576, 8, 32)):
+        packed = quant_linear.pack(weight, level, activations="int8")
+        vnni = level in ("avx512", "avx512_bf16") and "avx512_vnni" in cpu_features.cpu_flags()
+        takes_int8 = vnni and weight.group_size % 32 == 0
+        assert packed.kind == (f"w{weight.bits}a8" if takes_int8 else
+                               "dense" if level == "dense" else f"q{weight.bits}")
+        x = torch.randn(2, 576)
+        (assert_matches_int8 if takes_int8 else assert_matches)(quant_linear.linear(x, packed), x, weight)
+
+
+def test_activations_setting(monkeypatch):
+    weight = random_weight(50, 576, 4, 32)
+    monkeypatch.delenv(quant_linear.ACTIVATIONS_ENV, raising=False)
+    assert quant_linear.activations_setting() == "float32"
+    assert quant_linear.pack(weight).kind in ("q4", "dense")  # the exact kernel by default
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_ENV, "INT8")
+    assert quant_linear.activations_setting() == "int8"
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="float32, int8"):
+        quant_linear.activations_setting()
