@@ -7,13 +7,16 @@ Each replica holds the contexts of a few tenants (llm-d shaped: a 6,000-token co
 A decision is what the ingress does per request: the shim's work (the old one observed every
 digest and retained the live set per request; the current one does that when the set changes),
 `choose`, the first rank, and `routed`/`completed`. A share of the requests are cold (a prefix no
-replica holds), which the rendezvous home decides.
+replica holds), which the rendezvous home decides. The current index leaves the per-hash TTL
+stamps of its optimistic inserts to the next digest of the replica (off the request path); that
+deferred work is timed at the end and reported per request beside the decisions.
 
     python -m bench.router_decision [--replicas 10,100,1000] [--requests 2000] [--in-flight 48]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -86,7 +89,8 @@ def decide(kind: str, state, clock, ids, digests, request_id: str, hashes) -> st
         state.retain(ids)
         ranked, _, _ = state.choose(request_id, hashes, ids)
         first = ranked[0]
-    else:  # the current shim maps and retains only when Ray's candidate list changes
+    else:  # the current shim maps and retains only when Ray's candidate list changes, and passes
+        # the same tuple of ids until then
         first = next(state.choose(request_id, hashes, ids).ranking())
     state.routed(request_id, first)
     state.completed(request_id)
@@ -101,14 +105,20 @@ def measure(num_replicas: int, args) -> dict:
     states = {kind: make_state(kind, ids, digests, args.in_flight, args.seed)
               for kind in ("old", "current")}
     times: dict[str, list[float]] = {kind: [] for kind in states}
+    live = {"old": ids, "current": tuple(ids)}
     for i, hashes in enumerate(stream):
         order = ("old", "current") if i % 2 == 0 else ("current", "old")
         for kind in order:
             state, clock = states[kind]
             began = time.thread_time()  # CPU time: other processes on these cores do not count
-            decide(kind, state, clock, ids, digests, f"q{i}", hashes)
+            decide(kind, state, clock, live[kind], digests, f"q{i}", hashes)
             times[kind].append(time.thread_time() - began)
-    result = {"replicas": num_replicas, "in_flight": num_replicas * args.in_flight}
+    began = time.thread_time()
+    for replica_id in ids:  # what the next digests would do first
+        states["current"][0].index._stamped(replica_id)
+    deferred = (time.thread_time() - began) / len(stream)
+    result = {"replicas": num_replicas, "in_flight": num_replicas * args.in_flight,
+              "current_deferred_us_per_request": deferred * 1e6}
     for kind, values in times.items():
         result[f"{kind}_us_p50"] = percentile(values, 0.5) * 1e6
         result[f"{kind}_us_p99"] = percentile(values, 0.99) * 1e6
@@ -129,14 +139,20 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cpu = cpu_info()
-    print(f"CPU: {cpu.get('model', cpu)}")
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16") if f in cpu.get("flags", ())]
+    print(f"CPU: {cpu.get('model', cpu)} ({', '.join(flags)}), load average "
+          f"{os.getloadavg()[0]:.2f}")
     rows = []
     for num in [int(n) for n in args.replicas.split(",")]:
         row = measure(num, args)
+        row["load_average_1m"] = os.getloadavg()[0]  # other work on these cores, as it ended
         rows.append(row)
         print(f"{num:>5} replicas: old p50/p99 {row['old_us_p50']:8.1f}/{row['old_us_p99']:8.1f} us"
               f"   current {row['current_us_p50']:6.1f}/{row['current_us_p99']:6.1f} us"
-              f"   x{row['speedup_p50']:.1f} / x{row['speedup_p99']:.1f}", flush=True)
+              f"   x{row['speedup_p50']:.1f} / x{row['speedup_p99']:.1f}"
+              f"   (+{row['current_deferred_us_per_request']:.1f} us/request at digests)"
+              f"   load {row['load_average_1m']:.2f}",
+              flush=True)
     path = write_result("router_decision", {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
     return {"rows": rows}

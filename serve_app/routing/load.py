@@ -1,5 +1,10 @@
 """A replica's load as the router sees it: its last reported queue depth (waiting + running), less
-the requests this router has seen finish since that report, plus those it sent since.
+the requests this router has seen finish since that report was taken, plus those it sent since.
+A report reaches the router late (Ray's stats period and propagation); the requests it counted that
+finished in between are remembered, by when they finished, and taken off when it arrives. Counted
+from its arrival instead, each of them stayed a phantom load until the next report, and two
+choices between loads that noisy placed prompts worse than the plain in-flight count of Ray's own
+router did.
 
 Reports arrive about once a second. Routed on the report alone, a burst would all land on whichever
 replica looked idle; and a report that still counts requests which have since finished would push
@@ -12,11 +17,12 @@ was most of the router's time. Pure Python.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 MAX_IN_FLIGHT = 65536  # past this, requests never seen finishing (cancelled) are dropped
 IN_FLIGHT_TTL_S = 600.0
+MAX_RECENT_FINISHES = 4096  # per replica, kept for the next report (a few seconds' worth)
 _NEVER = float("-inf")
 
 
@@ -28,6 +34,8 @@ class LoadTracker:
         self._report_time: dict[str, float] = {}
         self._finished_since_report: dict[str, int] = {}
         self._sent_since_report: dict[str, int] = {}
+        # replica -> (finished at, sent at) of requests seen finishing after its last report
+        self._recent_finishes: dict[str, deque[tuple[float, float]]] = {}
         self._in_flight: dict[str, dict[str, float]] = {}  # replica -> request id -> sent at
         # request id -> replica, oldest send first: the TTL pops from the front.
         self._replica_of: OrderedDict[str, str] = OrderedDict()
@@ -35,7 +43,12 @@ class LoadTracker:
     def report(self, replica_id: str, queue_depth: float, report_time: float) -> None:
         self._reported[replica_id] = queue_depth
         self._report_time[replica_id] = report_time
-        self._finished_since_report[replica_id] = 0
+        recent = self._recent_finishes.get(replica_id)
+        while recent and recent[0][0] <= report_time:  # the report saw them gone
+            recent.popleft()
+        # Those it counted (sent before it) but that finished after it was taken.
+        self._finished_since_report[replica_id] = (sum(sent_at <= report_time
+                                                       for _, sent_at in recent) if recent else 0)
         in_flight = self._in_flight.get(replica_id)
         # Once per report, not per decision: which of the requests in flight the report predates.
         self._sent_since_report[replica_id] = (sum(map(report_time.__lt__, in_flight.values()))
@@ -59,10 +72,17 @@ class LoadTracker:
             self._drop_older_than(now - IN_FLIGHT_TTL_S)
         return previous
 
-    def completed(self, request_id: str) -> None:
+    def completed(self, request_id: str, now: float | None = None) -> None:
+        """request_id finished at `now` (None: when is unknown, so no later-arriving report
+        taken before it is corrected for it)."""
         replica_id = self._replica_of.get(request_id)
         if replica_id is not None:
-            self._forget(request_id, replica_id, finished=True)
+            sent_at = self._forget(request_id, replica_id, finished=True)
+            if now is not None:
+                recent = self._recent_finishes.get(replica_id)
+                if recent is None:
+                    recent = self._recent_finishes[replica_id] = deque(maxlen=MAX_RECENT_FINISHES)
+                recent.append((now, sent_at))
 
     def load(self, replica_id: str) -> float:
         return self.loads.get(replica_id, 0.0)
@@ -79,11 +99,11 @@ class LoadTracker:
             if self.listener is not None:
                 self.listener(replica_id, 0.0)
         for table in (self._reported, self._report_time, self._finished_since_report,
-                      self._sent_since_report, self.loads):
+                      self._sent_since_report, self._recent_finishes, self.loads):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
-    def _forget(self, request_id: str, replica_id: str, finished: bool) -> None:
+    def _forget(self, request_id: str, replica_id: str, finished: bool) -> float:
         del self._replica_of[request_id]
         sent_at = self._in_flight[replica_id].pop(request_id)
         report_time = self._report_time.get(replica_id)
@@ -92,6 +112,7 @@ class LoadTracker:
         elif finished:
             self._finished_since_report[replica_id] += 1  # it was in the report's count
         self._update(replica_id)
+        return sent_at
 
     def _update(self, replica_id: str) -> None:
         reported = max(0.0, self._reported.get(replica_id, 0.0)

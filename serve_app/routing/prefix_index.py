@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from itertools import filterfalse, groupby, repeat
+from itertools import groupby, repeat
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
@@ -51,11 +51,11 @@ class _Holders:
         self.index, self.replica_id = index, replica_id
 
     def stored(self, block_hashes: Iterable[int]) -> None:
-        optimistic = self.index._optimistic.get(self.replica_id, _EMPTY)
+        optimistic = self.index._stamped(self.replica_id) or _EMPTY
         self.index._add(self.replica_id, (h for h in block_hashes if h not in optimistic))
 
     def removed(self, block_hashes: Iterable[int]) -> None:
-        optimistic = self.index._optimistic.get(self.replica_id, _EMPTY)
+        optimistic = self.index._stamped(self.replica_id) or _EMPTY
         self.index._discard(self.replica_id, (h for h in block_hashes if h not in optimistic))
 
 
@@ -66,6 +66,10 @@ class PrefixIndex:
         self._optimistic: dict[str, dict[int, float]] = {}  # replica -> hash -> inserted at
         # replica -> (inserted at, hashes) per insert, oldest first: what the TTL expires
         self._inserts: dict[str, deque[tuple[float, Sequence[int]]]] = {}
+        # replica -> the inserts not yet stamped into `_optimistic`. Only the digest's events,
+        # the TTL and a take-back read the stamps, so a decision leaves them to the next of
+        # those: a prompt's every hash, stamped per request, was a third of a decision's cost.
+        self._unstamped: dict[str, list[tuple[float, Sequence[int]]]] = {}
         self._report_time: dict[str, float] = {}
         # hash -> the replicas holding it, by their mirror or optimistically
         self._holders: dict[int, frozenset[str]] = {}
@@ -101,18 +105,19 @@ class PrefixIndex:
         """Optimistically record that replica_id is about to hold these blocks (the sequence is
         kept, not copied). num_held: how many leading ones it holds already, by the match the
         decision was made on; the index changes only past them."""
-        optimistic = self._optimistic.get(replica_id)
-        if optimistic is None:
-            optimistic = self._optimistic[replica_id] = {}
-            self._inserts[replica_id] = deque()
-        optimistic.update(zip(block_hashes, repeat(now)))
+        unstamped = self._unstamped.get(replica_id)
+        if unstamped is None:
+            self._optimistic.setdefault(replica_id, {})
+            self._inserts.setdefault(replica_id, deque())
+            unstamped = self._unstamped[replica_id] = []
+        unstamped.append((now, block_hashes))
         self._inserts[replica_id].append((now, block_hashes))
         self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes)
 
     def remove(self, replica_id: str, block_hashes: Iterable[int], inserted_at: float) -> None:
         """Take back an optimistic insert made at inserted_at (the request went elsewhere); hashes
         inserted again since, for another request, stay."""
-        optimistic = self._optimistic.get(replica_id)
+        optimistic = self._stamped(replica_id)
         if optimistic:
             gone = [h for h in block_hashes if optimistic.get(h) == inserted_at]
             self._drop_optimistic(replica_id, optimistic, gone)
@@ -121,10 +126,10 @@ class PrefixIndex:
         """Forget replicas that are gone."""
         live = set(live_replica_ids)
         for replica_id in [r for r in self.replica_ids if r not in live]:
-            held = set(self._confirmed(replica_id)) | set(self._optimistic.get(replica_id, ()))
+            held = set(self._confirmed(replica_id)) | set(self._stamped(replica_id) or ())
             self._discard(replica_id, held)
-        for table in (self._mirrors, self._optimistic, self._inserts, self._report_time,
-                      self._single):
+        for table in (self._mirrors, self._optimistic, self._inserts, self._unstamped,
+                      self._report_time, self._single):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
@@ -144,7 +149,8 @@ class PrefixIndex:
         common = None if len(survivors) == len(live) else 0  # None: every live replica so far
         if not survivors:  # a cold prefix
             return PrefixMatch()
-        held_by = list(map(self._holders.get, block_hashes, repeat(_EMPTY)))
+        # Lazily: the walk mostly stops at the first block nobody holds (a query's own blocks).
+        held_by = map(self._holders.get, block_hashes, repeat(_EMPTY))
         deeper: dict[str, int] = {}
         start = 0
         for held, run in groupby(held_by):
@@ -170,7 +176,7 @@ class PrefixIndex:
         return {r: found.get(r) for r in replica_ids}
 
     def num_blocks(self, replica_id: str) -> int:
-        return len(self._confirmed(replica_id) | set(self._optimistic.get(replica_id, ())))
+        return len(self._confirmed(replica_id) | set(self._stamped(replica_id) or ()))
 
     # -- internals ------------------------------------------------------------------------------
     def _confirmed(self, replica_id: str) -> set[int] | frozenset:
@@ -186,17 +192,18 @@ class PrefixIndex:
             single = self._single[replica_id] = frozenset((replica_id,))
         if not isinstance(block_hashes, (list, tuple)):
             block_hashes = list(block_hashes)
-        fresh = list(filterfalse(holders.__contains__, block_hashes))
+        # One pass over the (large, cache-cold) index: fresh hashes get `single`, the rest say
+        # who held them. Mostly all are fresh or this replica's alone, which `count` sees in C.
+        held_by = list(map(holders.setdefault, block_hashes, repeat(single)))
+        if held_by.count(single) == len(held_by):
+            return
         grown: dict[frozenset[str], frozenset[str]] = {}  # so equal holder sets stay one object
-        for block_hash in (filter(holders.__contains__, block_hashes)
-                           if len(fresh) < len(block_hashes) else ()):
-            held = holders[block_hash]
-            if replica_id not in held:
+        for block_hash, held in zip(block_hashes, held_by):
+            if held is not single and replica_id not in held:
                 more = grown.get(held)
                 if more is None:
                     more = grown[held] = held | single
                 holders[block_hash] = more
-        holders.update(dict.fromkeys(fresh, single))
 
     def _discard(self, replica_id: str, block_hashes: Iterable[int]) -> None:
         holders = self._holders
@@ -213,8 +220,18 @@ class PrefixIndex:
                     fewer = shrunk[held] = held - single
                 holders[block_hash] = fewer
 
+    def _stamped(self, replica_id: str) -> dict[int, float] | None:
+        """replica_id's optimistic hashes, each with its last insert's time."""
+        optimistic = self._optimistic.get(replica_id)
+        unstamped = self._unstamped.get(replica_id)
+        if unstamped:
+            for at, block_hashes in unstamped:
+                optimistic.update(zip(block_hashes, repeat(at)))
+            unstamped.clear()
+        return optimistic
+
     def _expire(self, replica_id: str, inserts: deque, horizon: float) -> None:
-        optimistic = self._optimistic[replica_id]
+        optimistic = self._stamped(replica_id)
         while inserts and inserts[0][0] <= horizon:
             at, block_hashes = inserts.popleft()
             gone = [h for h in block_hashes if optimistic.get(h) == at]

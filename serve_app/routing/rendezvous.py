@@ -87,3 +87,7 @@ class ReplicaSet:
     def weights(self, key: int) -> np.ndarray:
         """Every replica's rendezvous weight for key, in `ids` order."""
         return _mix64_array(self._seeds ^ np.uint64(mix64(key & MASK64)))
+
+    def weights_at(self, key: int, positions: np.ndarray) -> np.ndarray:
+        """The rendezvous weights for key of the replicas at `positions`."""
+        return _mix64_array(self._seeds[positions] ^ np.uint64(mix64(key & MASK64)))

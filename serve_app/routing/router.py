@@ -54,6 +54,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._observed: dict[str, Any] = {}  # replica -> the routing stats last applied
         self._candidates: list[RunningReplica] | None = None  # the list `_live` was made from
         self._live: dict[str, RunningReplica] = {}
+        self._live_ids: tuple[str, ...] = ()  # its keys: the same tuple until the set changes
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         # Ray re-broadcasts the replica set each time a replica's routing stats change, requests or
@@ -87,7 +88,7 @@ class PrefixAffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
             request_id = pending_request.metadata.internal_request_id
             block_hashes = request_block_hashes(pending_request.args, pending_request.kwargs)
-        decision = self.state.choose(request_id, block_hashes, live)
+        decision = self.state.choose(request_id, block_hashes, self._live_ids)
         return ([live[replica_id]] for replica_id in decision.ranking())  # Ray only iterates it
 
     def _live_replicas(self, candidate_replicas: list[RunningReplica]) -> dict[str, RunningReplica]:
@@ -95,6 +96,7 @@ class PrefixAffinityRouter(RequestRouter):
         if candidate_replicas is not self._candidates or len(candidate_replicas) != len(self._live):
             self._candidates = candidate_replicas
             self._live = {r.replica_id.unique_id: r for r in candidate_replicas}
+            self._live_ids = tuple(self._live)
             self._observe(candidate_replicas)
             self.state.retain(self._live)
         return self._live

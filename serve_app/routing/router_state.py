@@ -92,7 +92,7 @@ class RouterState:
         return LOAD_OVERRIDE if choice.decision.reason == AFFINITY else FALLBACK
 
     def completed(self, request_id: str) -> None:
-        self.loads.completed(request_id)
+        self.loads.completed(request_id, self._clock())
         self._unrouted.pop(request_id, None)
 
     def load(self, replica_id: str) -> float:
@@ -100,10 +100,15 @@ class RouterState:
 
     # -- internals ------------------------------------------------------------------------------
     def _replica_set(self, live_replica_ids: Iterable[str]) -> ReplicaSet:
-        """The same replicas as last time, mostly: comparing the ids is cheaper than sorting."""
+        """The same replicas as last time, mostly: comparing the ids is cheaper than sorting, and
+        the same tuple (immutable) needs no comparing."""
+        if live_replica_ids is self._replicas.key:
+            return self._replicas
         live = tuple(live_replica_ids)
         if live != self._replicas.key:
             self._replicas = ReplicaSet(live, self.loads.loads)
+        else:
+            self._replicas.key = live  # the caller may pass this very tuple next time
         return self._replicas
 
     def _load_changed(self, replica_id: str, load: float) -> None:

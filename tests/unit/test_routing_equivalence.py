@@ -161,8 +161,9 @@ class Clock:
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("settings", [RoutingSettings(), RoutingSettings(
-    load_override_threshold=2, cold_home_max_excess_load=1, cold_home_blocks=2)])
+@pytest.mark.parametrize("settings", [RoutingSettings(cold_home_pair_slack=None), RoutingSettings(
+    load_override_threshold=2, cold_home_max_excess_load=1, cold_home_blocks=2,
+    cold_home_pair_slack=None)])  # the old algorithm's cold home: no pair check
 def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, settings):
     rng = random.Random(seed)
     ids = [f"replica-{i:03d}" for i in range(rng.choice([1, 2, 7, 40]))]

@@ -29,6 +29,24 @@ def test_requests_seen_finishing_after_a_report_leave_its_count():
     assert loads.load("r1") == 0
 
 
+def test_a_late_report_does_not_count_requests_that_finished_after_it_was_taken():
+    loads = LoadTracker()
+    for i, at in enumerate((9.0, 9.1, 10.4)):
+        loads.sent(f"q{i}", "r1", now=at)
+    loads.completed("q0", now=10.2)  # after the report below was taken, before it arrives
+    loads.completed("q2", now=10.5)  # sent after it: never in its count
+    loads.report("r1", 2, report_time=10.0)  # q0 and q1 running when it was taken
+    assert loads.load("r1") == 1  # q1 alone: q0 is no phantom until the next report
+    loads.completed("q1", now=10.6)
+    assert loads.load("r1") == 0
+    loads.report("r1", 1, report_time=10.3)  # q1 was still running: its finish counts once
+    assert loads.load("r1") == 0
+    loads.sent("q3", "r1", now=10.7)
+    loads.completed("q3", now=11.2)
+    loads.report("r1", 1, report_time=11.0)
+    assert loads.load("r1") == 0
+
+
 def test_load_never_goes_negative_with_other_routers_requests():
     loads = LoadTracker()
     loads.sent("q1", "r1", now=9.0)

@@ -63,12 +63,28 @@ def test_cold_prefixes_spread_over_replicas_at_low_load():
 
 
 def test_an_overloaded_cold_home_is_skipped_for_two_choices():
+    settings = SETTINGS  # the default: no pair check
     home = rendezvous_home(A[0], ["r1", "r2"])
     other = "r2" if home == "r1" else "r1"
-    d = choose(A, {home: 2.0, other: 0.0}, {})  # 2 - 0 <= 2: still home
+    d = choose(A, {home: 2.0, other: 0.0}, {}, settings)  # 2 - 0 <= 2: still home
     assert (d.replica_id, d.reason) == (home, COLD_HOME)
-    d = choose(A, {home: 3.0, other: 0.0}, {})
+    d = choose(A, {home: 3.0, other: 0.0}, {}, settings)
     assert (d.replica_id, d.reason) == (other, FALLBACK)  # two replicas: p2c sees both
+
+
+def test_a_cold_home_busier_than_the_two_choices_pick_yields_to_it():
+    ids = [f"r{i}" for i in range(8)]
+    home = rendezvous_home(A[0], ids)
+    loads = {r: 1.0 for r in ids} | {home: 2.0}  # within the excess guard of 2
+    paired = SETTINGS.model_copy(update={"cold_home_pair_slack": 0.0})
+    for seed in range(20):  # any pair but (home, home) holds a replica less loaded than home
+        d = choose(A, loads, {}, paired, seed=seed)
+        assert d.reason == FALLBACK and loads[d.replica_id] == 1.0
+    slack = SETTINGS.model_copy(update={"cold_home_pair_slack": 1.0})
+    assert {choose(A, loads, {}, slack, seed=s).replica_id for s in range(20)} == {home}
+    assert {choose(A, loads, {}, seed=s).replica_id for s in range(20)} == {home}  # the default: blind
+    loads[home] = 1.0  # no busier than any pick: home, every time
+    assert {choose(A, loads, {}, paired, seed=s).replica_id for s in range(20)} == {home}
 
 
 def test_a_prefix_every_replica_holds_says_nothing_the_rest_is_cold():
