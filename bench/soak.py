@@ -31,10 +31,11 @@ APP = "pagedserve"
 RSS_GROWTH_LIMIT = 0.05
 SAMPLE_EVERY_S = 5.0
 LOADING_JUMP = 1.1  # a sample 10 % above the one before: a process still loading its model
-# Per replica. The ingress mirrors every replica's cached block hashes for routing (~300 bytes
-# each), so its memory grows until the replicas' prefix caches are full: 0.25 GiB of the tiny
-# model's KV (21,845 blocks each) took longer than the warm-up to fill, and that growth read as a
-# leak; 2,048 blocks (a 32-sequence batch needs ~320) fill within seconds and keep eviction busy.
+# Per replica. The ingress mirrors every replica's cached block hashes for routing (a set entry
+# and an index entry each), so its memory grows until the replicas' caches are full: 0.25 GiB of
+# the tiny model's KV (21,845 blocks each) took longer than the warm-up to fill, and that growth
+# read as a leak; 2,048 blocks (a 32-sequence batch needs ~320) fill within seconds and keep
+# eviction busy.
 KV_BLOCKS = 2048
 # A replica's death is seen by the routers within a few seconds: requests sent to it meanwhile
 # fail like the ones in flight on it.
