@@ -132,6 +132,9 @@ static inline __attribute__((always_inline)) I8_TARGET void panel_row(
     for (int64_t c = 0; c < cols; c++) out[c] = row[c] + (bias ? bias[c] : 0.0f);
 }
 
+/* One copy per bit width, so panel_row is specialized for each: a shared always_inline helper
+ * taking bits cannot be inlined into the untargeted entry point below (GCC refuses to inline
+ * across target("avx512vnni")). */
 static I8_TARGET void panel_rows4(float *out, int64_t n, const int8_t *qx, const float *dx,
                                   const float *xsum, const uint8_t *q, const void *so, int so_f16,
                                   int64_t k, int64_t group_size, int64_t rows, int64_t cols,

@@ -29,12 +29,8 @@ def test_grouped_linear_matches_reference(level, load, n, k, threads):
     offsets = torch.tensor([0, *load]).cumsum(0)
     x = torch.randn(int(offsets[-1]), k)
     packed = torch.stack([native_linear.pack_linear_weight(w, level) for w in weights])
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = native_linear.grouped_linear(x, packed, offsets, n)
-    finally:
-        torch.set_num_threads(old)
+    torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
+    out = native_linear.grouped_linear(x, packed, offsets, n)
     torch.testing.assert_close(out, reference.grouped_linear(x, weights, offsets), rtol=1e-5, atol=1e-4)
 
 

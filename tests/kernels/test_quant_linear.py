@@ -43,8 +43,8 @@ def half_scaled(weight: QuantWeight) -> QuantWeight:
                        weight.offsets.half().float(), weight.perm)
 
 
-def assert_matches(out, x, weight, bias=None):
-    expected = reference.quant_linear(x, weight, bias)
+def assert_matches(out, x, weight, bias=None, spec=reference.quant_linear):
+    expected = spec(x, weight, bias)
     assert out.dtype == expected.dtype and out.shape == expected.shape
     # fp32 sums in another order; bf16 rounds the same fp32 sum once (off by one bf16 ulp at most).
     scale = expected.float().abs().max().item() + 1e-3
@@ -196,11 +196,7 @@ I8_LEVELS = _i8_levels()
 
 
 def assert_matches_int8(out, x, weight, bias=None):
-    expected = quant_linear.int8_activation_reference(x, weight, bias)
-    assert out.dtype == expected.dtype and out.shape == expected.shape
-    scale = expected.float().abs().max().item() + 1e-3
-    tol = 2e-5 if x.dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * scale)
+    assert_matches(out, x, weight, bias, spec=quant_linear.int8_activation_reference)
 
 
 @pytest.mark.parametrize("level", I8_LEVELS)
@@ -229,12 +225,8 @@ def test_int8_activations_ragged_n_perm_bias_dtype_threads(level, n, threads, dt
     x = torch.randn(4, 2 * 1536, generator=gen).to(dtype)[:, 7:1543]  # strided rows
     bias = torch.randn(n, generator=gen).to(dtype)
     packed = quant_linear.pack(weight, level, activations="int8")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert_matches_int8(quant_linear.linear(x, packed, bias), x, weight, bias)
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
+    assert_matches_int8(quant_linear.linear(x, packed, bias), x, weight, bias)
 
 
 def test_int8_activation_reference_is_close_to_the_exact_spec():
