@@ -5,7 +5,8 @@ norm kernels run them unchanged); a norm after attention and on both sides of th
 gelu-tanh gated MLP; attention scaled by query_pre_attn_scalar; layers alternating between a
 sliding window and global attention (config.layer_types). Gemma 2 soft-caps attention logits
 and final logits; Gemma 3 instead normalises q and k per head and gives its sliding layers
-their own rope base (rope_parameters per layer type). Names match Llama's checkpoints.
+their own rope base (rope_parameters per layer type). Names match Llama's checkpoints, and
+under tensor parallelism they shard as Llama's do (the per-head q/k norms stay whole).
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from torch import nn
 from kernels.backend import AttentionBackend
 from replicas.models.attention import Attention, layer_windows
 from replicas.models.causal_lm import head_dim_of
-from replicas.models.layers import Embedding, RMSNorm
+from replicas.models.layers import RMSNorm
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.mlp import GatedMLP
 from replicas.models.rotary import RotaryEmbedding
+from replicas.parallel.layers import vocab_embedding
 
 def _is_gemma3(config) -> bool:
     return config.model_type.startswith("gemma3")
@@ -71,7 +73,7 @@ class GemmaModel(nn.Module):
             kind: RotaryEmbedding(config, head_dim, max_positions, dtype, device,
                                   layer_type=None if kind == "shared" else kind)
             for kind in sorted(set(self.rotary_kinds))})
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         # transformers rounds the scale to the model dtype first
         self.embed_scale = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, window, backend, dtype, device)
@@ -87,8 +89,6 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    supports_tensor_parallel = False  # its own layers do not shard yet
-
     def build_model(self, config) -> nn.Module:
         self.final_logit_soft_cap = getattr(config, "final_logit_softcapping", None)
         return GemmaModel(config, self.sliding_windows, self.attention_backend, self.dtype, self.device)

@@ -2,6 +2,11 @@
 
 Its checkpoints store projections as Conv1D weights ([in, out]); they are transposed once at load
 into our [out, in] Linear layout. c_attn is already q|k|v fused, in our row order.
+
+Under tensor parallelism it shards as Llama does (q/k/v by head and c_fc column-parallel, both
+c_proj row-parallel, wte by vocabulary rows); the learned position table stays whole on every
+rank. A Conv1D weight's output features are its columns, so column-parallel weights split dim 1
+and row-parallel ones dim 0 (the reverse of a Linear's).
 """
 from __future__ import annotations
 
@@ -13,10 +18,16 @@ from replicas.models.attention import Attention
 from replicas.models.causal_lm import CausalLM
 from replicas.models.layers import Embedding, LayerNorm
 from replicas.models.mlp import MLP
+from replicas.parallel.layers import vocab_embedding
+from replicas.parallel.sharding import Shard
 
 # Our module -> GPT-2's, inside a block (h.N.).
 _NAMES = {"attn.qkv_proj": "attn.c_attn", "attn.o_proj": "attn.c_proj",
           "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+
+
+def intermediate_size(config) -> int:
+    return config.n_inner or 4 * config.hidden_size
 
 
 class GPT2Block(nn.Module):
@@ -32,7 +43,7 @@ class GPT2Block(nn.Module):
                               head_dim=hidden // config.num_attention_heads, backend=backend,
                               dtype=dtype, device=device, qkv_bias=True, o_bias=True, scale=scale)
         self.ln_2 = LayerNorm(hidden, eps, dtype, device)
-        self.mlp = MLP(hidden, config.n_inner or 4 * hidden, config.activation_function, dtype, device)
+        self.mlp = MLP(hidden, intermediate_size(config), config.activation_function, dtype, device)
 
     def forward(self, hidden, kv_cache, attn_metadata):
         hidden = hidden + self.attn(None, self.ln_1(hidden), kv_cache, attn_metadata)
@@ -42,7 +53,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config, backend: AttentionBackend, dtype: torch.dtype, device):
         super().__init__()
-        self.wte = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.wte = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size, dtype, device)
         self.h = nn.ModuleList(GPT2Block(config, i, backend, dtype, device)
                                for i in range(config.num_hidden_layers))
@@ -57,6 +68,7 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(CausalLM):
     checkpoint_prefix = "transformer."  # GPT2Model checkpoints (the original gpt2) lack it
+    supports_tensor_parallel = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):
@@ -78,3 +90,23 @@ class GPT2LMHeadModel(CausalLM):
     def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         is_conv1d = hf_name.endswith(".weight") and any(f".{theirs}." in hf_name for theirs in _NAMES.values())
         return tensor.t() if is_conv1d else tensor
+
+    def checkpoint_shard(self, hf_name: str, name: str) -> Shard | None:
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            return Shard(0, ((self.vocab_start, self.vocab_stop),))
+        parts = name.split(".")
+        module, kind = parts[-2], parts[-1]
+        if module in ("o_proj", "down_proj"):  # row-parallel; its bias is added once, on rank 0
+            if kind == "bias":
+                return None if self.tp.is_driver else Shard(zeros=True)
+            size = self.config.hidden_size if module == "o_proj" else intermediate_size(self.config)
+            return Shard(0, (self.tp.split(size, module),))
+        if module == "qkv_proj":  # this rank's heads of each of q, k, v
+            start, stop = self.tp.split(self.num_heads, "num_attention_heads")
+            width, hd = self.num_heads * self.head_dim, self.head_dim
+            ranges = tuple((part * width + start * hd, part * width + stop * hd) for part in range(3))
+        elif module == "up_proj":
+            ranges = (self.tp.split(intermediate_size(self.config), "n_inner"),)
+        else:
+            return None  # norms and the position table: every rank holds them whole
+        return Shard(1 if kind == "weight" else 0, ranges)

@@ -3,7 +3,9 @@ parallel residual (x + attn(ln1(x)) + mlp(ln2(x))) or, with use_parallel_residua
 sequential one.
 
 The checkpoint's fused query_key_value interleaves heads ([q|k|v] per head); load reorders its
-rows to our [all q | all k | all v].
+rows to our [all q | all k | all v]. That layout makes a tensor-parallel rank's heads one block
+of rows, read as is and reordered the same way; the rest shards as Llama does (dense and
+dense_4h_to_h row-parallel, dense_h_to_4h column-parallel, embed_in and embed_out by vocabulary).
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from torch import nn
 from kernels.backend import AttentionBackend
 from replicas.models.attention import Attention
 from replicas.models.causal_lm import CausalLM
-from replicas.models.layers import Embedding, LayerNorm
+from replicas.models.layers import LayerNorm
 from replicas.models.mlp import MLP
 from replicas.models.rotary import RotaryEmbedding
+from replicas.parallel.layers import vocab_embedding
+from replicas.parallel.sharding import Shard
 
 # Our module -> GPT-NeoX's, inside a layer.
 _NAMES = {"attention.qkv_proj": "attention.query_key_value", "attention.o_proj": "attention.dense",
@@ -49,7 +53,7 @@ class GPTNeoXModel(nn.Module):
         super().__init__()
         head_dim = config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings, dtype, device)
-        self.embed_in = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_in = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(GPTNeoXLayer(config, backend, dtype, device)
                                     for _ in range(config.num_hidden_layers))
         self.final_layer_norm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
@@ -65,6 +69,7 @@ class GPTNeoXModel(nn.Module):
 class GPTNeoXForCausalLM(CausalLM):
     checkpoint_prefix = "gpt_neox."
     lm_head_name = "embed_out.weight"
+    supports_tensor_parallel = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):
@@ -81,9 +86,27 @@ class GPTNeoXForCausalLM(CausalLM):
                 return [(name.replace(f".{ours}.", f".{theirs}."), None)]
         return super().checkpoint_sources(name)
 
+    def checkpoint_shard(self, hf_name: str, name: str) -> Shard | None:
+        if name in ("gpt_neox.embed_in.weight", "lm_head.weight"):
+            return Shard(0, ((self.vocab_start, self.vocab_stop),))
+        parts = name.split(".")
+        module = parts[-2]
+        if module in ("o_proj", "down_proj"):  # row-parallel; its bias is added once, on rank 0
+            if parts[-1] == "bias":
+                return None if self.tp.is_driver else Shard(zeros=True)
+            size = self.config.hidden_size if module == "o_proj" else self.config.intermediate_size
+            return Shard(1, (self.tp.split(size, module),))
+        if module == "qkv_proj":  # [heads, (q, k, v), head_dim] rows: this rank's heads in one block
+            start, stop = self.tp.split(self.num_heads, "num_attention_heads")
+            return Shard(0, ((start * 3 * self.head_dim, stop * 3 * self.head_dim),))
+        if module == "up_proj":
+            return Shard(0, (self.tp.split(self.config.intermediate_size, "intermediate_size"),))
+        return None  # norms: every rank holds them whole
+
     def convert(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         if ".query_key_value." not in hf_name:
             return tensor
-        # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...]
-        rows = tensor.view(self.num_heads, 3, self.head_dim, *tensor.shape[1:]).transpose(0, 1)
+        # [heads, (q, k, v), head_dim, ...] -> [(q, k, v), heads, head_dim, ...], over this rank's heads
+        heads = tensor.shape[0] // (3 * self.head_dim)
+        rows = tensor.view(heads, 3, self.head_dim, *tensor.shape[1:]).transpose(0, 1)
         return rows.reshape(tensor.shape)

@@ -6,6 +6,10 @@ so every expert's tokens are one block of rows; on the native CPU GEMM all exper
 through one grouped GEMM per projection (kernels/native_linear.grouped_linear: one call per layer,
 the threads split experts' panels), elsewhere each expert runs one GEMM pair over its block (a loop
 over experts, never over tokens). The weighted outputs are scattered back with one index_add.
+
+Under tensor parallelism (as vLLM): every rank holds every expert's share of the intermediate
+rows (w1/w3 column-parallel, w2 row-parallel, as Llama's gate/up and down), the router whole, and
+the block's partial sums are all-reduced once, after the experts' outputs are combined.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from replicas.models.causal_lm import split_rows
 from replicas.models.layers import Linear
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.mlp import GatedMLP
+from replicas.parallel import state as parallel_state
 
 
 class SparseMoE(nn.Module):
@@ -24,9 +29,13 @@ class SparseMoE(nn.Module):
                  dtype: torch.dtype, device):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.tp = parallel_state.current()
         self.gate = Linear(hidden_size, num_experts, False, dtype, device)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act, dtype, device)
-                                     for _ in range(num_experts))
+        # Each expert holds this rank's share, built unsharded so that it runs no all-reduce of its own.
+        share = intermediate_size // self.tp.world_size
+        with parallel_state.building(parallel_state.SINGLE):
+            self.experts = nn.ModuleList(GatedMLP(hidden_size, share, act, dtype, device)
+                                         for _ in range(num_experts))
         self.grouped: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down) stacks
 
     def combine_packed(self) -> None:
@@ -66,13 +75,13 @@ class SparseMoE(nn.Module):
                     start += count
             out = torch.cat(outputs)
         weighted = out * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+        out = torch.zeros_like(x).index_add_(0, tokens, weighted.to(x.dtype))
+        return out if self.tp.world_size == 1 else self.tp.all_reduce(out)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    supports_tensor_parallel = False  # its own layers do not shard yet
-
-    # Our expert projection -> Mixtral's expert weights (w1 gate, w3 up, w2 down).
+    # Our expert projection -> Mixtral's expert weights (w1 gate, w3 up, w2 down); Llama's
+    # checkpoint_shard splits them as gate/up and down, and leaves the router whole.
     EXPERT = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
     def build_mlp(self, config, layer: int) -> nn.Module:
@@ -90,4 +99,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
         names = [f"{prefix}.{hf}.{parts[-1]}" for hf in self.EXPERT[parts[-2]]]
         if len(names) == 1:
             return [(names[0], None)]
-        return split_rows([self.config.intermediate_size] * 2, names)
+        return split_rows([self.config.intermediate_size // self.tp.world_size] * 2, names)

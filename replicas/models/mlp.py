@@ -30,14 +30,18 @@ class GatedMLP(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(act(up(x)))."""
+    """down(act(up(x))). Under tensor parallelism up holds this rank's share of the intermediate
+    rows, and down's sums are all-reduced."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, dtype: torch.dtype, device,
                  bias: bool = True):
         super().__init__()
+        self.tp = parallel_state.current()
+        intermediate_size //= self.tp.world_size
         self.up_proj = Linear(hidden_size, intermediate_size, bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        out = self.down_proj(self.act(self.up_proj(x)))
+        return out if self.tp.world_size == 1 else self.tp.all_reduce(out)

@@ -138,13 +138,6 @@ def test_sizes_that_do_not_split_fail_at_once_naming_both_numbers(models):
         check_tensor_parallel(gqa, 2, get_model_class(load_config(path)))
 
 
-def test_a_family_that_does_not_shard_says_so(tmp_path):
-    path = build_tiny_family(tmp_path / "gpt2", "gpt2")
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for "
-                                         "GPT2LMHeadModel yet"):
-        LLM(str(path), tensor_parallel_size=2, **ENGINE)
-
-
 def test_a_dead_rank_fails_the_health_check_and_the_next_step(models):
     model = models("llama_kv2")
     llm = LLM(model.path, tensor_parallel_size=2, **ENGINE, num_kv_blocks=16)
