@@ -17,6 +17,7 @@ stored column j the input channel it multiplies: y = x[:, perm] . W_stored^T.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,41 @@ class QuantWeight:
         """The weight of some output rows (a tensor-parallel shard, an embedding lookup)."""
         return QuantWeight(self.bits, self.group_size, self.q[rows], self.scales[rows],
                            self.offsets[rows], self.perm)
+
+    def columns(self, start: int, stop: int) -> "QuantWeight":
+        """The weight of input channels [start, stop) (a row-parallel shard), exactly, renumbered
+        from 0: with perm, the stored columns whose channel lies in the range, in stored order.
+        Whole groups keep their group size; a group the range cuts (or, with perm, keeps only some
+        columns of) keeps its scale and offset for the columns kept, so the result's group size
+        is the largest that divides every kept piece of a group (the pieces' gcd)."""
+        n, k = self.shape
+        if not 0 <= start < stop <= k:
+            raise ValueError(f"columns [{start}, {stop}) are not inside a weight of {k} input channels")
+        size, bits = self.group_size, self.bits
+        if self.perm is None and start % size == 0 and stop % size == 0:
+            per_byte = 8 // bits
+            return QuantWeight(bits, size, self.q[:, start // per_byte:stop // per_byte].clone(),
+                               self.scales[:, start // size:stop // size].clone(),
+                               self.offsets[:, start // size:stop // size].clone())
+        if self.perm is None:
+            kept, channels = torch.arange(start, stop), None
+        else:
+            kept = ((self.perm >= start) & (self.perm < stop)).nonzero().flatten()
+            channels = self.perm[kept] - start
+        groups, counts = torch.unique_consecutive(kept // size, return_counts=True)
+        new_size = math.gcd(*counts.tolist())
+        group_of = groups.repeat_interleave(counts // new_size)  # new group -> the group it came from
+        if bits == 4 and (stop - start) % 2:  # an odd count of values does not fill whole bytes
+            bits = 8
+        perm = None if channels is None or torch.equal(channels, torch.arange(stop - start)) else channels
+        return QuantWeight(bits, new_size, pack_values(self.values()[:, kept], bits),
+                           self.scales[:, group_of].contiguous(), self.offsets[:, group_of].contiguous(),
+                           perm)
+
+    def clone(self) -> "QuantWeight":
+        """A copy holding its own storage (a shard that views a whole tensor would keep it alive)."""
+        return QuantWeight(self.bits, self.group_size, self.q.clone(), self.scales.clone(),
+                           self.offsets.clone(), None if self.perm is None else self.perm.clone())
 
     def as_format(self, bits: int, group_size: int) -> "QuantWeight":
         """The same values with more bits or smaller groups (both lossless): what lets weights of

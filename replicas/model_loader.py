@@ -138,12 +138,12 @@ def checkpoint_tensors(path: Path, quantization: str | None = None, lazy: bool =
     if method == "gguf":
         checkpoint = quant.read_gguf(path)
         return (checkpoint.config, method,
-                _with_progress(checkpoint.tensors(), len(checkpoint.names)), "GGUF")
+                _with_progress(checkpoint.tensors(lazy), len(checkpoint.names)), "GGUF")
     hf_config = load_config(path)
     files = weight_files(path)
-    tensors = iterate_weights(files, lazy=lazy and method is None)
+    tensors = iterate_weights(files, lazy=lazy)
     if method is not None:
-        tensors = quant.quantized_tensors(method, hf_config, tensors)
+        tensors = quant.quantized_tensors(method, hf_config, tensors, lazy)
     return hf_config, method, tensors, f"{len(files)} file(s)"
 
 
@@ -160,7 +160,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     hf_config, method, tensors, source = checkpoint_tensors(path, quantization, lazy=tp.world_size > 1)
     model_class = get_model_class(hf_config)
     torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
-    check_tensor_parallel(hf_config, tp.world_size, model_class)
+    check_tensor_parallel(hf_config, tp.world_size, model_class, quantized=method is not None)
     with parallel_state.building(tp), deferred_weights() if method else contextlib.nullcontext():
         model = model_class(hf_config, torch_dtype, attention_backend, device=resolve_device(device))
     model.load_weights(tensors)

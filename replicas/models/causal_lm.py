@@ -8,6 +8,7 @@ shape or values on the way in).
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -21,7 +22,9 @@ from replicas.models.attention import layer_windows
 from replicas.models.layers import Embedding, Linear, materialize, pack_quantized, quantized_linear
 from replicas.models.rotary import RotaryEmbedding
 from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import Shard, kv_heads_per_rank, read_shard
+from replicas.parallel.sharding import MIN_SHARD_GROUP, Shard, kv_heads_per_rank, read_shard
+
+logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that are buffers, not weights: causal-mask biases (GPT-2,
 # GPT-NeoX) and rotary frequencies.
@@ -167,6 +170,7 @@ class CausalLM(nn.Module):
             for hf_name, rows in self.checkpoint_sources(name):
                 sources[hf_name] = (name, rows)
         loaded: set[str] = set()
+        dequantized: list[str] = []  # quantized shards whose groups the split cut too fine
         for hf_name, tensor in weights:
             if hf_name not in sources and self.checkpoint_prefix + hf_name in sources:
                 hf_name = self.checkpoint_prefix + hf_name
@@ -179,10 +183,10 @@ class CausalLM(nn.Module):
             name, rows = sources[hf_name]
             param = params[name]
             if self.tp.world_size > 1:  # this rank's part only: a lazy slice reads only that
-                if isinstance(tensor, QuantWeight):
-                    raise ValueError("tensor_parallel_size > 1 is not supported for quantized "
-                                     f"weights yet ({hf_name!r})")
+                quantized = is_quantized(tensor)
                 tensor = read_shard(tensor, self.checkpoint_shard(hf_name, name))
+                if quantized and not isinstance(tensor, QuantWeight):
+                    dequantized.append(hf_name)
             if isinstance(tensor, QuantWeight):
                 self._load_quantized(name, rows, self.convert_quantized(hf_name, tensor))
                 loaded.add(hf_name)
@@ -201,6 +205,15 @@ class CausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+        if dequantized:
+            logger.warning(
+                "tensor_parallel_size=%d: %d quantized weight(s) are held dequantized, in %s, on "
+                "rank %d (%s%s): their column shards cut the quantization groups into pieces "
+                "finer than %d columns (act-order, or a group size that does not divide the "
+                "shard); the values are exact, the memory is the dense one", self.tp.world_size,
+                len(dequantized), str(self.dtype).removeprefix("torch."), self.tp.rank,
+                ", ".join(dequantized[:3]), ", ..." if len(dequantized) > 3 else "",
+                MIN_SHARD_GROUP)
 
 
     def _load_quantized(self, name: str, rows: slice | None, weight: QuantWeight) -> None:
@@ -213,6 +226,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"quantized {name!r} part has {weight.shape[0]} rows, expected "
                              f"{rows.stop - rows.start}")
         module.load_quantized(0 if rows is None else rows.start, weight)
+
+
+def is_quantized(tensor) -> bool:
+    """A QuantWeight, or a quantized checkpoint's lazy tensor (replicas/quant) that reads as one."""
+    return isinstance(tensor, QuantWeight) or bool(getattr(tensor, "quantized", False))
 
 
 def split_rows(sizes: list[int], names: list[str]) -> list[tuple[str, slice]]:

@@ -50,13 +50,12 @@ class Workers:
     def __init__(self, config: EngineConfig, model_dir: str, device: torch.device):
         from replicas.model_loader import load_config
         from replicas.models import get_model_class
+        from replicas.quant import quantization_of
 
         world_size = config.tensor_parallel_size
-        if config.quantization is not None or str(model_dir).endswith(".gguf"):
-            raise ValueError(f"tensor_parallel_size > 1 is not supported for quantized checkpoints "
-                             f"yet (got tensor_parallel_size={world_size})")
         hf_config = load_config(model_dir)
-        check_tensor_parallel(hf_config, world_size, get_model_class(hf_config))
+        check_tensor_parallel(hf_config, world_size, get_model_class(hf_config),
+                              quantized=quantization_of(model_dir) is not None)
         self.ray = use_ray(config)
         if not self.ray:  # under Ray the placement group has already reserved the devices
             check_world_size(world_size, device.type)

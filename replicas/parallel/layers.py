@@ -4,7 +4,6 @@ outside them looks up zeros, and one all-reduce sums the ranks' rows into every 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from replicas.models.layers import Embedding
 from replicas.parallel import state as parallel_state
@@ -20,7 +19,7 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_stop)
         local = (input_ids - self.vocab_start).masked_fill_(outside, 0)
-        hidden = F.embedding(local, self.weight)
+        hidden = super().forward(local)  # dense or quantized rows
         hidden.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(hidden)
 

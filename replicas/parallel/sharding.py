@@ -6,11 +6,23 @@ Megatron-style, as vLLM: q/k/v and gate/up are column-parallel (each rank has it
 share of the intermediate rows), o_proj and down_proj row-parallel (its share of the input
 columns; their outputs are summed by one all-reduce each), the embedding and the lm_head split by
 vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on tp / kv ranks.
+
+Quantized weights (kernels.quantized.QuantWeight, whatever their format) shard the same way: rows
+exactly, columns by QuantWeight.columns, which splits a group the rank's range cuts into finer
+groups. Where those would be finer than MIN_SHARD_GROUP the shard is dequantized instead (see
+quant_shard).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+# The finest group a column shard stays quantized in: the Triton GEMM's smallest k tile, and
+# where a group's float32 scale and offset already cost as much as its 4-bit values.
+MIN_SHARD_GROUP = 16
+# The Llama-shaped families: their quantized checkpoints shard as their float ones (by class name,
+# so that this module stays torch-free).
+QUANTIZED_TENSOR_PARALLEL = ("LlamaForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +36,16 @@ class Shard:
 
 
 def read_shard(source, shard: Shard | None):
-    """`source` is a tensor or a safetensors slice (which reads only what is indexed)."""
+    """`source` is a tensor, a safetensors slice (which reads only what is indexed), a
+    QuantWeight, or a quantized checkpoint's lazy tensor (its `read_shard` reads only this
+    rank's part where its format allows)."""
     import torch
+
+    from kernels.quantized import QuantWeight
+    if hasattr(source, "read_shard"):
+        return source.read_shard(shard)
+    if isinstance(source, QuantWeight):
+        return quant_shard(source, shard)
     if shard is None:
         return source if isinstance(source, torch.Tensor) else source[:]
     if shard.zeros:
@@ -35,6 +55,27 @@ def read_shard(source, shard: Shard | None):
     index = (slice(None),) * shard.dim
     parts = [source[index + (slice(start, stop),)] for start, stop in shard.ranges]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim)
+
+
+def quant_shard(weight, shard: Shard | None):
+    """A QuantWeight's rows or columns for this rank: a QuantWeight holding its own storage, or,
+    where a column range cuts its groups into pieces finer than MIN_SHARD_GROUP, the exact float32
+    value of the shard (the caller loads it dense, and says so)."""
+    from kernels.quantized import cat_rows
+    from kernels.reference import dequantize_weight
+    if shard is None:
+        return weight
+    if shard.zeros:
+        raise ValueError("a quantized weight cannot be a zero shard (only row-parallel biases are)")
+    if shard.dim == 0:
+        parts = [weight.rows(slice(start, stop)) for start, stop in shard.ranges]
+        return parts[0].clone() if len(parts) == 1 else cat_rows(parts)
+    if len(shard.ranges) != 1:
+        raise ValueError("a quantized weight's column shard must be one range")
+    part = weight.columns(*shard.ranges[0])
+    if part.group_size != weight.group_size and part.group_size % MIN_SHARD_GROUP:
+        return dequantize_weight(part)
+    return part
 
 
 def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
@@ -48,17 +89,24 @@ def kv_head_start(num_kv_heads: int, world_size: int, rank: int) -> int:
     return rank // (world_size // num_kv_heads)
 
 
-def check_tensor_parallel(hf_config, world_size: int, model_class: type) -> None:
-    """ValueError naming both numbers where the model cannot be split `world_size` ways."""
+def check_tensor_parallel(hf_config, world_size: int, model_class: type,
+                          quantized: bool | None = None) -> None:
+    """ValueError naming both numbers where the model cannot be split `world_size` ways.
+    quantized: whether the checkpoint is (None: whether its config has a quantization_config; a
+    GGUF file's has none)."""
     if world_size == 1:
         return
     if not getattr(model_class, "supports_tensor_parallel", False):
         arch = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {arch} yet "
                          f"(got tensor_parallel_size={world_size})")
-    if getattr(hf_config, "quantization_config", None):
-        raise ValueError(f"tensor_parallel_size > 1 is not supported for quantized checkpoints "
-                         f"yet (got tensor_parallel_size={world_size})")
+    if quantized is None:
+        quantized = bool(getattr(hf_config, "quantization_config", None))
+    if quantized and model_class.__name__ not in QUANTIZED_TENSOR_PARALLEL:
+        arch = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
+        raise ValueError(f"tensor_parallel_size > 1 is not supported for quantized {arch} "
+                         f"checkpoints yet (got tensor_parallel_size={world_size}); it is for "
+                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % world_size:

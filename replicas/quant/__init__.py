@@ -49,20 +49,22 @@ def quantization_of(model) -> str | None:
     return method
 
 
-def quantized_tensors(method: str, hf_config, named_tensors: Iterable) -> Iterator:
+def quantized_tensors(method: str, hf_config, named_tensors: Iterable, lazy: bool = False) -> Iterator:
     """(name, tensor) from a quantized safetensors checkpoint -> (HF name, tensor or QuantWeight):
     each quantized linear's pieces become one `<module>.weight` QuantWeight; other tensors pass
-    through. The scheme is checked before the first tensor is read."""
+    through. The scheme is checked before the first tensor is read. lazy: the tensors are
+    safetensors slices, and each module a QuantSource, which reads only a tensor-parallel rank's
+    part (module_pieces.py)."""
     config = quantization_config_of(hf_config) or {}
     if method == "gptq":
         from replicas.quant.gptq import gptq_tensors
-        return gptq_tensors(config, named_tensors)
+        return gptq_tensors(config, named_tensors, lazy)
     if method == "awq":
         from replicas.quant.awq import awq_tensors
-        return awq_tensors(config, named_tensors)
+        return awq_tensors(config, named_tensors, lazy)
     if method == "compressed-tensors":
         from replicas.quant.compressed_tensors import compressed_tensors_tensors
-        return compressed_tensors_tensors(config, named_tensors)
+        return compressed_tensors_tensors(config, named_tensors, lazy)
     raise ValueError(f"quantization method {method!r} has no safetensors reader: supported are "
                      f"{', '.join(SAFETENSORS_METHODS)} (GGUF files open with read_gguf)")
 

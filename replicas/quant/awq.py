@@ -11,7 +11,8 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import checked_groups, gather, quant_weight, suffix_piece, unpack_int32
+from replicas.quant.module_pieces import (checked_groups, gather, quant_weight, read_ranges, shape_of,
+                                          suffix_piece, unpack_int32)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 VERSIONS = ("gemm",)
@@ -51,7 +52,23 @@ class AWQScheme:
         return quant_weight(values, scales, zeros, self.bits, group_size, None)
 
 
-def awq_tensors(quantization_config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    def shard_pieces(self, module: str, parts: dict, shard) -> dict[str, torch.Tensor] | None:
+        """A rank's part, read from the lazy pieces: output rows are columns of all three (8 to a
+        word in qweight and qzeros), input columns qweight's rows and whole groups of the others."""
+        if shard.dim == 0:
+            pieces = {"qweight": read_ranges(parts["qweight"], 1, shard.ranges, 8),
+                      "qzeros": read_ranges(parts["qzeros"], 1, shard.ranges, 8),
+                      "scales": read_ranges(parts["scales"], 1, shard.ranges)}
+        else:
+            group = shape_of(parts["qweight"])[0] if self.group_size == -1 else self.group_size
+            pieces = {"qweight": read_ranges(parts["qweight"], 0, shard.ranges),
+                      "qzeros": read_ranges(parts["qzeros"], 0, shard.ranges, group),
+                      "scales": read_ranges(parts["scales"], 0, shard.ranges, group)}
+        return None if any(piece is None for piece in pieces.values()) else pieces
+
+
+def awq_tensors(quantization_config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     scheme = AWQScheme(quantization_config)
-    return gather(named_tensors, suffix_piece(PIECES), scheme.required, scheme.build)
+    return gather(named_tensors, suffix_piece(PIECES), scheme.required, scheme.build,
+                  scheme.shard_pieces if lazy else None)

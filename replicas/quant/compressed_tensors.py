@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.quantized import QuantWeight, pack_values
-from replicas.quant.module_pieces import act_order, gather
+from replicas.quant.module_pieces import act_order, gather, read, read_ranges, shape_of
 
 PACKED, NAIVE = "pack-quantized", ("naive-quantized", "int-quantized")
 FORMATS = (PACKED, *NAIVE)
@@ -114,9 +114,65 @@ class CompressedTensorsConfig:
         module, _, piece = name.rpartition(".")
         if not module:
             return None
-        if piece in PIECES or (piece == "weight" and tensor.dtype == torch.int8):
+        is_int8 = tensor.dtype == torch.int8 if isinstance(tensor, torch.Tensor) else tensor.get_dtype() == "I8"
+        if piece in PIECES or (piece == "weight" and is_int8):
             return module, piece
         return None
+
+    def shard_pieces(self, module: str, parts: dict, shard) -> dict[str, torch.Tensor] | None:
+        """A rank's part, read from the lazy pieces: output rows are rows of the values and the
+        scales (the zero points' packed words), input columns the values' words and whole groups
+        (a per-channel or per-tensor scale stays whole); with act-order, columns are cut after
+        building."""
+        scheme = self.scheme(module)
+        per_word = 32 // scheme.bits
+        packed = scheme.format == PACKED
+        values_name = "weight_packed" if packed else "weight"
+        if packed:
+            n, k = (int(v) for v in read(parts["weight_shape"]).flatten().tolist())
+        else:
+            n, k = shape_of(parts["weight"])
+        scale_shape = shape_of(parts["weight_scale"])
+        groups = scale_shape[-1] if len(scale_shape) == 2 else 1
+        pieces = {}
+        if "weight_g_idx" in parts:
+            pieces["weight_g_idx"] = read(parts["weight_g_idx"])
+        if shard.dim == 0:
+            rows = sum(stop - start for start, stop in shard.ranges)
+            pieces[values_name] = read_ranges(parts[values_name], 0, shard.ranges)
+            per_row = len(scale_shape) == 2 and scale_shape[0] == n
+            pieces["weight_scale"] = (read_ranges(parts["weight_scale"], 0, shard.ranges) if per_row
+                                      else read(parts["weight_scale"]))
+            if "weight_zero_point" in parts:
+                zero = parts["weight_zero_point"]
+                pieces["weight_zero_point"] = (
+                    read_ranges(zero, 0, shard.ranges, per_word) if packed
+                    else read_ranges(zero, 0, shard.ranges) if per_row and shape_of(zero)[0] == n
+                    else read(zero))
+            if packed:
+                pieces["weight_shape"] = torch.tensor([rows, k])
+            return None if any(piece is None for piece in pieces.values()) else pieces
+        (start, stop), = shard.ranges
+        if "weight_g_idx" in pieces and act_order(pieces["weight_g_idx"], k, k // groups, module) is not None:
+            return None
+        group = k // groups
+        if groups > 1 and (start % group or stop % group):
+            return None
+        if packed:
+            if (start * scheme.bits) % 32 or ((stop * scheme.bits) % 32 and stop != k):
+                return None
+            words = (start * scheme.bits // 32, -(-stop * scheme.bits // 32))
+            pieces[values_name] = read(parts[values_name], (slice(None), slice(*words)))
+            pieces["weight_shape"] = torch.tensor([n, stop - start])
+        else:
+            pieces[values_name] = read(parts[values_name], (slice(None), slice(start, stop)))
+        for name in ("weight_scale", "weight_zero_point"):
+            if name in parts:
+                pieces[name] = (read_ranges(parts[name], 1, shard.ranges, group) if groups > 1
+                                else read(parts[name]))
+        if "weight_g_idx" in pieces:
+            pieces["weight_g_idx"] = pieces["weight_g_idx"][start:stop] - start // group
+        return pieces
 
     def build(self, module: str, parts: dict[str, torch.Tensor]) -> QuantWeight:
         scheme = self.scheme(module)
@@ -165,8 +221,8 @@ def unpack_zero_points(packed: torch.Tensor, bits: int, n: int, groups: int) -> 
 
 
 def compressed_tensors_tensors(quantization_config: dict,
-                               named_tensors: Iterable[tuple[str, torch.Tensor]]
+                               named_tensors: Iterable[tuple[str, torch.Tensor]], lazy: bool = False
                                ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     config = CompressedTensorsConfig(quantization_config)
     return gather(named_tensors, config.piece_of, lambda module: config.scheme(module).required(),
-                  config.build)
+                  config.build, config.shard_pieces if lazy else None)

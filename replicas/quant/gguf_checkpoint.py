@@ -16,9 +16,10 @@ from typing import Iterator
 import torch
 
 from kernels.quantized import QuantWeight
+from replicas.parallel.sharding import Shard, read_shard
 from replicas.quant import gguf_config
 from replicas.quant.gguf_blocks import DENSE, QUANTIZED, SUPPORTED_TYPES
-from replicas.quant.gguf_file import GGUFFile, type_name
+from replicas.quant.gguf_file import GGUFFile, type_name, type_sizes
 
 EMBEDDING = "token_embd.weight"
 ROPE_FREQS = "rope_freqs.weight"
@@ -59,24 +60,36 @@ class GGUFCheckpoint:
         self.config = gguf_config.build_config(self.file.metadata, set(self.file.tensors),
                                                embedding_rows, str(self.path), rope_freqs)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
-        """(HF name, tensor or QuantWeight) for every tensor, read and converted one at a time."""
+    def tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        """(HF name, tensor or QuantWeight) for every tensor, read and converted one at a time.
+        lazy: a GGUFTensor instead, which reads only a tensor-parallel rank's part."""
         for name, hf in self.names.items():
-            yield hf, self.tensor(name)
+            yield hf, GGUFTensor(self, name) if lazy else self.tensor(name)
 
-    def tensor(self, gguf_name: str) -> torch.Tensor | QuantWeight:
+    def tensor(self, gguf_name: str, shard: Shard | None = None) -> torch.Tensor | QuantWeight:
+        """One tensor, or its `shard` (replicas/parallel/sharding.py): rows are gathered from the
+        memory map before they are converted; columns read the blocks that cover them (a K-quant's
+        256-value super-blocks may overhang the range) and are cut exactly after conversion."""
         info = self.file.tensors[gguf_name]
         kind = type_name(info.type_id)
         raw = self.file.raw(info)
-        if kind in DENSE:
-            value = raw.contiguous().view(DENSE[kind]).reshape(info.shape).clone()
-        else:
-            value = QUANTIZED[kind](raw)
         hf = self.names.get(gguf_name)
         rows = gguf_config.unpermute_rows(hf, info.shape[0], self.config) if self.permuted and hf else None
-        if rows is not None:
-            value = value.rows(rows) if isinstance(value, QuantWeight) else value[rows].contiguous()
-        return value
+        if shard is None or shard.zeros:
+            value = _convert(kind, raw, info.shape)
+            if rows is not None:
+                value = value.rows(rows) if isinstance(value, QuantWeight) else value[rows].contiguous()
+            return value if shard is None else read_shard(value, shard)
+        if shard.dim == 0:
+            wanted = torch.cat([torch.arange(start, stop) for start, stop in shard.ranges])
+            part = raw[wanted if rows is None else rows[wanted]]
+            return _convert(kind, part, (len(wanted), *info.shape[1:]))
+        (start, stop), = shard.ranges
+        block, block_bytes = type_sizes(info.type_id)
+        first, last = start // block, -(-stop // block)
+        part = raw[:, first * block_bytes:last * block_bytes]
+        value = _convert(kind, part if rows is None else part[rows], (info.shape[0], (last - first) * block))
+        return read_shard(value, Shard(1, ((start - first * block, stop - first * block),)))
 
     def tokenizer_dir(self, cache_dir: str | Path | None = None) -> Path:
         """A folder holding the HF tokenizer built from this file's metadata (see gguf_tokenizer)."""
@@ -85,6 +98,25 @@ class GGUFCheckpoint:
 
     def close(self) -> None:
         self.file.close()
+
+
+class GGUFTensor:
+    """A tensor of an opened GGUF file, not read yet: `read_shard(shard)` converts only what a
+    tensor-parallel rank holds (all of it for shard None)."""
+
+    def __init__(self, checkpoint: GGUFCheckpoint, gguf_name: str):
+        self.checkpoint, self.gguf_name = checkpoint, gguf_name
+        self.quantized = type_name(checkpoint.file.tensors[gguf_name].type_id) in QUANTIZED
+
+    def read_shard(self, shard: Shard | None) -> torch.Tensor | QuantWeight:
+        return self.checkpoint.tensor(self.gguf_name, shard)
+
+
+def _convert(kind: str, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | QuantWeight:
+    """Raw bytes [rows, bytes per row] of a tensor (or of some of its rows or blocks) -> its value."""
+    if kind in DENSE:
+        return raw.contiguous().view(DENSE[kind]).reshape(shape).clone()
+    return QUANTIZED[kind](raw)
 
 
 def read_gguf(path: str | Path) -> GGUFCheckpoint:

@@ -16,8 +16,8 @@ from typing import Iterable, Iterator
 import torch
 
 from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import (act_order, checked_groups, gather, quant_weight,
-                                          suffix_piece, unpack_int32)
+from replicas.quant.module_pieces import (act_order, checked_groups, gather, quant_weight, read,
+                                          read_ranges, shape_of, suffix_piece, unpack_int32)
 
 BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -61,7 +61,40 @@ class GPTQScheme:
         return quant_weight(values, scales, zeros, bits, group_size, perm)
 
 
-def gptq_tensors(quantization_config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]
-                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    def shard_pieces(self, module: str, parts: dict, shard) -> dict[str, torch.Tensor] | None:
+        """A rank's part, read from the lazy pieces: output rows are qweight's and scales' columns
+        (qzeros' words); input columns qweight's rows (channel order, act-order or not) and,
+        without act-order, whole groups of scales and qzeros."""
+        per_word = 32 // self.bits
+        g_idx = read(parts["g_idx"]) if "g_idx" in parts else None
+        if shard.dim == 0:
+            qzeros = read_ranges(parts["qzeros"], 1, shard.ranges, per_word)
+            if qzeros is None:
+                return None
+            pieces = {"qweight": read_ranges(parts["qweight"], 1, shard.ranges),
+                      "scales": read_ranges(parts["scales"], 1, shard.ranges), "qzeros": qzeros}
+            return pieces if g_idx is None else pieces | {"g_idx": g_idx}
+        (start, stop), = shard.ranges
+        k = shape_of(parts["qweight"])[0] * per_word
+        if self.group_size != -1 and g_idx is not None and \
+                act_order(g_idx, k, self.group_size, module) is not None:
+            return None  # the rank's channels hold pieces of any group: cut after building
+        qweight = read_ranges(parts["qweight"], 0, shard.ranges, per_word)
+        if self.group_size == -1:  # one group: the slice keeps it whole
+            return None if qweight is None else {"qweight": qweight, "scales": read(parts["scales"]),
+                                                 "qzeros": read(parts["qzeros"])}
+        scales = read_ranges(parts["scales"], 0, shard.ranges, self.group_size)
+        if qweight is None or scales is None:
+            return None
+        pieces = {"qweight": qweight, "scales": scales,
+                  "qzeros": read_ranges(parts["qzeros"], 0, shard.ranges, self.group_size)}
+        if g_idx is not None:
+            pieces["g_idx"] = g_idx[start:stop] - start // self.group_size
+        return pieces
+
+
+def gptq_tensors(quantization_config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     scheme = GPTQScheme(quantization_config)
-    return gather(named_tensors, suffix_piece(PIECES), scheme.required, scheme.build)
+    return gather(named_tensors, suffix_piece(PIECES), scheme.required, scheme.build,
+                  scheme.shard_pieces if lazy else None)

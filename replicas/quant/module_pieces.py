@@ -24,13 +24,59 @@ def suffix_piece(pieces: tuple[str, ...]) -> PieceOf:
     return piece_of
 
 
+# (module, its pieces as lazy slices, a Shard) -> the pieces of the rank's part of the weight
+# (which build() turns into that part), or None where the format cannot cut them (read it whole).
+ShardPieces = Callable[[str, dict, "object"], "dict[str, torch.Tensor] | None"]
+
+
+class QuantSource:
+    """A quantized module whose pieces are lazy safetensors slices: `read_shard(shard)` reads only
+    a tensor-parallel rank's part where shard_pieces can cut it, else the whole weight, then its
+    shard (replicas/parallel/sharding.py)."""
+
+    quantized = True
+
+    def __init__(self, module: str, parts: dict, build: Callable, shard_pieces: ShardPieces):
+        self.module, self.parts, self.build, self.shard_pieces = module, parts, build, shard_pieces
+
+    def read_shard(self, shard):
+        from replicas.parallel.sharding import read_shard
+        pieces = None if shard is None or shard.zeros else self.shard_pieces(self.module, self.parts, shard)
+        if pieces is not None:
+            return self.build(self.module, pieces)
+        weight = self.build(self.module, {name: read(piece) for name, piece in self.parts.items()})
+        return read_shard(weight, shard)
+
+
+def read(piece, index: tuple = ()) -> torch.Tensor:
+    """A piece (a tensor or a lazy safetensors slice), whole or indexed by a tuple of slices."""
+    if not index:
+        return piece if isinstance(piece, torch.Tensor) else piece[...] if not piece.get_shape() else piece[:]
+    return piece[index]
+
+
+def read_ranges(piece, dim: int, ranges, per: int = 1) -> torch.Tensor | None:
+    """The ranges (in values) of a piece along dim, `per` values to an element (packed words,
+    groups), concatenated; None when a range does not fall on whole elements."""
+    if any(start % per or stop % per for start, stop in ranges):
+        return None
+    parts = [read(piece, (slice(None),) * dim + (slice(start // per, stop // per),)) for start, stop in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def shape_of(piece) -> tuple[int, ...]:
+    return tuple(piece.shape) if isinstance(piece, torch.Tensor) else tuple(piece.get_shape())
+
+
 def gather(named_tensors: Iterable[tuple[str, torch.Tensor]], piece_of: PieceOf,
            required: Callable[[str], set[str]],
            build: Callable[[str, dict[str, torch.Tensor]], QuantWeight],
+           shard_pieces: ShardPieces | None = None,
            ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """Other tensors pass through; each module's pieces become one (`<module>.weight`,
     build(module, pieces)) once `required(module)` are all in. A piece that arrives after its
-    module was built is one the build did not need (e.g. a trivial g_idx), and is dropped."""
+    module was built is one the build did not need (e.g. a trivial g_idx), and is dropped.
+    With shard_pieces the pieces are lazy slices and each module is a QuantSource instead."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     built: set[str] = set()
     for name, tensor in named_tensors:
@@ -46,7 +92,8 @@ def gather(named_tensors: Iterable[tuple[str, torch.Tensor]], piece_of: PieceOf,
         if required(module) <= parts.keys():
             del pending[module]
             built.add(module)
-            yield f"{module}.weight", build(module, parts)
+            yield f"{module}.weight", (build(module, parts) if shard_pieces is None
+                                       else QuantSource(module, parts, build, shard_pieces))
     if pending:
         module, parts = next(iter(pending.items()))
         missing = sorted(required(module) - parts.keys())
