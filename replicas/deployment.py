@@ -201,9 +201,10 @@ class EngineReplica:
             if not finished:  # cancelled, or its channel closed: stop it, free its blocks
                 self.engine.abort_nowait(request_id)
 
-    async def open_channel(self, request: ChannelRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def open_channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple]]:
         """The ingress's output channel on this replica: an empty batch once it is open, then
-        lists of outputs of the requests that name it, one list per engine step at most."""
+        lists of outputs of the requests that name it (`RequestOutput.wire()`), one list per
+        engine step at most."""
         if request.replica_id != self.replica_id:  # a router that does not pin channels
             raise ValueError(f"channel for replica {request.replica_id} reached {self.replica_id}")
         old = self._channels.pop(request.channel_id, None)
@@ -213,7 +214,7 @@ class EngineReplica:
         try:
             yield []
             async for batch in channel.batches():
-                yield batch
+                yield [output.wire() for output in batch]
         finally:
             channel.close()
             if self._channels.get(request.channel_id) is channel:

@@ -90,11 +90,12 @@ class OutputChannels:
             generator = self.open_call(ChannelRequest(replica_id, self.channel_id))
             await asyncio.wait_for(generator.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
             queues = self._queues
+            from_wire = RequestOutput.from_wire
             async for batch in generator:
-                for output in batch:
-                    queue = queues.get(output.request_id)
+                for values in batch:  # RequestOutput.wire(): the request id first
+                    queue = queues.get(values[0])
                     if queue is not None:
-                        queue.put(output)
+                        queue.put(from_wire(values))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure

@@ -21,6 +21,29 @@ def delta(request_id: str, text: str, finished: bool = False) -> RequestOutput:
                          finished=finished, num_prompt_tokens=2)
 
 
+def test_an_output_crosses_the_wire_as_plain_values_and_comes_back_equal():
+    import pickle
+
+    from replicas.outputs import Logprob
+    full = RequestOutput("r", "hi", [1, 2], [
+        CompletionOutput(0, "a", [5], -0.5, [{5: Logprob(-0.5, 1, "a")}]),
+        CompletionOutput(1, "b", [6, 7], None, None, "stop", 7)], finished=True,
+        prompt_logprobs=[None, {2: Logprob(-1.0, 3, "x")}], num_cached_tokens=16,
+        num_prompt_tokens=2, metrics={"arrival_time": 1.0}, embedding=[0.5])
+    for output in (full, delta("d", "tok")):
+        values = output.wire()
+        assert RequestOutput.from_wire(pickle.loads(pickle.dumps(values))) == output
+    # The common delta is nothing but tuples, lists and scalars: the pickler never calls Python.
+    plain = (tuple, list, str, int, float, bool, type(None))
+
+    def walk(value):
+        assert isinstance(value, plain), type(value)
+        if isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item)
+    walk(delta("d", "tok").wire())
+
+
 def test_a_channel_sends_one_batch_per_wakeup_with_each_request_folded():
     async def run():
         channel = OutputChannel(idle_timeout_s=0.05)
@@ -226,6 +249,7 @@ def test_requests_by_channel_finish_cleanly_and_die_with_their_channel():
         return replica, batch
 
     replica, batch = asyncio.run(run())
+    batch = [RequestOutput.from_wire(values) for values in batch]
     assert sorted((o.request_id, o.outputs[0].text) for o in batch) == [("cut", "half"),
                                                                           ("done", "all")]
     assert replica.engine.aborted == ["cut"]  # the finished one is not aborted
