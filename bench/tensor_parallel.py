@@ -52,9 +52,12 @@ def default_model_message() -> str:
     from replicas.model_loader import load_config
     from replicas.models import get_model_class
     from replicas.parallel.sharding import check_tensor_parallel
+    from replicas.quant import quantization_of
     try:
-        hf_config = load_config(resolve_model(None))
-        check_tensor_parallel(hf_config, 2, get_model_class(hf_config))
+        model = resolve_model(None)
+        hf_config = load_config(model)
+        check_tensor_parallel(hf_config, 2, get_model_class(hf_config),
+                              quantized=quantization_of(model) is not None)
     except Exception as exc:  # noqa: BLE001 - the message is the result
         return str(exc)
     return "splits"

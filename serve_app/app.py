@@ -128,8 +128,10 @@ def check_model_splits(model_dir, tensor_parallel_size: int) -> None:
     from replicas.model_loader import load_config
     from replicas.models import get_model_class
     from replicas.parallel.sharding import check_tensor_parallel
+    from replicas.quant import quantization_of
     hf_config = load_config(model_dir)
-    check_tensor_parallel(hf_config, tensor_parallel_size, get_model_class(hf_config))
+    check_tensor_parallel(hf_config, tensor_parallel_size, get_model_class(hf_config),
+                          quantized=quantization_of(model_dir) is not None)  # a GGUF's config says none
 
 
 def check_cluster_fits(settings: ServeSettings) -> None:
