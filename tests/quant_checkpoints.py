@@ -20,6 +20,10 @@ __all__ = ["assert_same_weights", "build_quant_model", "write_awq", "write_compr
            "write_gguf", "write_gptq"]
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The other families' decoder linears, as AutoGPTQ and AutoAWQ quantize them: Mixtral's experts
+# (not its router), GPT-NeoX's and OPT's projections.
+FAMILY_LINEARS = ("w1", "w2", "w3", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+                  "out_proj", "fc1", "fc2")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -43,7 +47,9 @@ def assert_same_weights(got: dict, reference: dict, rtol: float = 1e-6) -> None:
 
 
 def is_quantized_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.endswith(".weight") and name.split(".")[-2] in LINEARS
+    parts = name.split(".")
+    return ("layers" in parts and name.endswith(".weight")
+            and parts[-2] in LINEARS + FAMILY_LINEARS)
 
 
 def _copy_checkpoint(model_dir: Path, out_dir: Path, quantization_config: dict) -> dict:

@@ -50,6 +50,10 @@ class CausalLM(nn.Module):
     lm_head_name = "lm_head.weight"  # the output embedding's name in checkpoints
     # A family that says how its checkpoint tensors shard (checkpoint_shard) sets it.
     supports_tensor_parallel = False
+    # A family whose quantized weights shard by the same checkpoint_shard sets it: its convert()
+    # at most reorders a projection's rows (convert_quantized), and its MoE / fused layers take
+    # QuantWeight shards.
+    supports_quantized_tensor_parallel = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto",

@@ -89,6 +89,8 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    supports_quantized_tensor_parallel = True  # convert() changes only the norms, never quantized
+
     def build_model(self, config) -> nn.Module:
         self.final_logit_soft_cap = getattr(config, "final_logit_softcapping", None)
         return GemmaModel(config, self.sliding_windows, self.attention_backend, self.dtype, self.device)

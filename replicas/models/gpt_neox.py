@@ -70,6 +70,7 @@ class GPTNeoXForCausalLM(CausalLM):
     checkpoint_prefix = "gpt_neox."
     lm_head_name = "embed_out.weight"
     supports_tensor_parallel = True
+    supports_quantized_tensor_parallel = True  # a quantized query_key_value shard is reordered too
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):

@@ -77,6 +77,7 @@ class LlamaForCausalLM(CausalLM):
     # Projections whose input columns are split across ranks (their outputs all-reduced).
     ROW_PARALLEL = ("o_proj", "down_proj")
     supports_tensor_parallel = True
+    supports_quantized_tensor_parallel = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):

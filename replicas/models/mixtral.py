@@ -83,6 +83,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
     # Our expert projection -> Mixtral's expert weights (w1 gate, w3 up, w2 down); Llama's
     # checkpoint_shard splits them as gate/up and down, and leaves the router whole.
     EXPERT = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+    # Quantized experts run one GEMM pair each (the grouped GEMM is for dense fp32 stacks).
+    supports_quantized_tensor_parallel = True
 
     def build_mlp(self, config, layer: int) -> nn.Module:
         return SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,

@@ -92,6 +92,7 @@ class OPTModel(nn.Module):
 
 class OPTForCausalLM(CausalLM):
     supports_tensor_parallel = True
+    supports_quantized_tensor_parallel = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32,
                  attention_backend: AttentionBackend | str = "auto", device: torch.device | str = "cpu"):

@@ -20,9 +20,6 @@ from dataclasses import dataclass
 # The finest group a column shard stays quantized in: the Triton GEMM's smallest k tile, and
 # where a group's float32 scale and offset already cost as much as its 4-bit values.
 MIN_SHARD_GROUP = 16
-# The Llama-shaped families: their quantized checkpoints shard as their float ones (by class name,
-# so that this module stays torch-free).
-QUANTIZED_TENSOR_PARALLEL = ("LlamaForCausalLM",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +99,12 @@ def check_tensor_parallel(hf_config, world_size: int, model_class: type,
                          f"(got tensor_parallel_size={world_size})")
     if quantized is None:
         quantized = bool(getattr(hf_config, "quantization_config", None))
-    if quantized and model_class.__name__ not in QUANTIZED_TENSOR_PARALLEL:
+    # The model class says whether its quantized checkpoints shard as its float ones (GPT-2's
+    # cannot load quantized at all).
+    if quantized and not getattr(model_class, "supports_quantized_tensor_parallel", False):
         arch = (getattr(hf_config, "architectures", None) or [model_class.__name__])[0]
         raise ValueError(f"tensor_parallel_size > 1 is not supported for quantized {arch} "
-                         f"checkpoints yet (got tensor_parallel_size={world_size}); it is for "
-                         "Llama, Mistral, Qwen2, Qwen3 and Phi-3")
+                         f"checkpoints yet (got tensor_parallel_size={world_size})")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % world_size:

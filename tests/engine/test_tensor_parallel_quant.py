@@ -1,24 +1,30 @@
 """Quantized checkpoints under tensor_parallel_size=2 (gloo, two local processes): greedy tokens
 equal tensor_parallel_size=1 on the same checkpoint, logprobs within 1e-4, for GGUF (a quantized,
 tied embedding: vocab-split rows and the rank's quantized lm_head), GPTQ with act-order, AWQ and
-compressed-tensors W4A16; QuantWeight's column slice equals dequantize-then-slice, groups the
-split cuts become finer groups, or a dense shard (with one warning) where those would be finer
-than MIN_SHARD_GROUP; each rank reads and holds about half of the weights."""
+compressed-tensors W4A16, and for the other families' quantized checkpoints (Gemma 2 and 3,
+Mixtral's experts, GPT-NeoX's reordered query_key_value, OPT's row-parallel biases), which also
+match transformers on the dequantized weights; QuantWeight's column slice equals
+dequantize-then-slice, groups the split cuts become finer groups, or a dense shard (with one
+warning) where those would be finer than MIN_SHARD_GROUP; each rank reads and holds about half of
+the weights."""
 from __future__ import annotations
 
 import logging
 import random
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from kernels.quantized import QuantWeight, pack_values
 from kernels.reference import dequantize_weight
 from replicas import LLM, SamplingParams
 from replicas.model_loader import checkpoint_tensors, load_config
 from replicas.models import get_model_class
-from replicas.models.layers import deferred_weights
+from replicas.models.layers import Linear, deferred_weights
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import MIN_SHARD_GROUP, Shard, check_tensor_parallel, read_shard
 from tests import quant_checkpoints as qc
@@ -31,6 +37,7 @@ SLOW = pytest.mark.slow  # each case starts a rank process (~5 s): the default s
 FORMATS = {
     "gguf-q4_1-tied": ("gguf", dict(weight_type="Q4_1", embedding_type="Q8_0")),
     "gptq-act-order": ("gptq", dict(bits=4, group_size=32, desc_act=True)),
+    "gptq": ("gptq", dict(bits=4, group_size=32)),
     "awq": ("awq", dict(group_size=32)),
     "ct-w4a16": ("ct", dict(bits=4, strategy="group", group_size=32)),
 }
@@ -221,12 +228,15 @@ def test_act_order_row_parallel_shards_are_dense_with_one_warning(sources, tmp_p
 
 
 def test_quantized_families_that_do_not_shard_yet_say_so(tmp_path):
-    config = load_config(build_tiny_family(tmp_path / "gemma", "gemma2"))
-    sharded = type("GemmaForCausalLM", (), {"supports_tensor_parallel": True})  # its float shards
-    with pytest.raises(ValueError, match=r"not supported for quantized Gemma2ForCausalLM checkpoints "
+    # GPT-2's Conv1D weights are transposed on loading, which a quantized layout cannot follow
+    config = load_config(build_tiny_family(tmp_path / "gpt2", "gpt2"))
+    with pytest.raises(ValueError, match=r"not supported for quantized GPT2LMHeadModel checkpoints "
                                          r"yet \(got tensor_parallel_size=2\)"):
-        check_tensor_parallel(config, 2, sharded, quantized=True)
-    check_tensor_parallel(config, 2, sharded, quantized=False)
+        check_tensor_parallel(config, 2, get_model_class(config), quantized=True)
+    check_tensor_parallel(config, 2, get_model_class(config), quantized=False)  # its float shards
+    for family in ("gemma2", "gemma3", "mixtral", "gpt_neox", "opt"):
+        config = load_config(build_tiny_family(tmp_path / family, family))
+        check_tensor_parallel(config, 2, get_model_class(config), quantized=True)
     llama = load_config(qc.build_quant_model(tmp_path / "llama"))
     check_tensor_parallel(llama, 2, get_model_class(llama), quantized=True)
 
@@ -251,6 +261,11 @@ def test_tp2_matches_tp1_on_a_quantized_checkpoint(fmt, sources, tmp_path_factor
         split = _generate(llm, prompts)
     finally:
         llm.shutdown()
+    _assert_same_outputs(single, split)
+
+
+def _assert_same_outputs(single, split):
+    """Greedy tokens equal; sampled and prompt logprobs within 1e-4."""
     assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
     for a, b in zip(single, split):
         for pa, pb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
@@ -258,3 +273,103 @@ def test_tp2_matches_tp1_on_a_quantized_checkpoint(fmt, sources, tmp_path_factor
         for p, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
             token = a.prompt_token_ids[p]
             assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
+
+
+# -- the other families, quantized -------------------------------------------------------------
+
+# family -> the format written from its tiny checkpoint (tests/tiny_models.FAMILY_CONFIGS), each
+# case a different path through the shards
+FAMILY_CASES = [
+    # every expert's w1 | w3 quantized apart (their own channel orders), w2's act-order column
+    # shards held dense; the MoE runs each expert's quantized GEMM pair
+    pytest.param("mixtral", "gptq-act-order"),
+    pytest.param("gpt_neox", "awq", marks=SLOW),  # each rank's query_key_value rows reordered
+    pytest.param("opt", "ct-w4a16", marks=SLOW),  # out_proj / fc2 biases added on rank 0 only
+    pytest.param("gemma2", "gptq", marks=SLOW),
+    pytest.param("gemma3", "awq", marks=SLOW),
+]
+TIE = 1e-3  # where transformers' own top two logits are this close, a quantized GEMM may differ
+_families: dict[str, tuple[str, str, dict]] = {}
+
+
+def family_checkpoint(family: str, fmt: str, tmp_path_factory) -> tuple[str, str, dict]:
+    """(the family's quantized checkpoint, its float source, the float32 HF-named weights the
+    quantized ones mean)."""
+    key = f"{family}-{fmt}"
+    if key not in _families:
+        source = build_tiny_family(tmp_path_factory.mktemp(f"{family}-src"), family)
+        kind, options = FORMATS[fmt]
+        writer = {"gptq": qc.write_gptq, "awq": qc.write_awq, "ct": qc.write_compressed_tensors}[kind]
+        out = tmp_path_factory.mktemp(key)
+        _families[key] = (str(out), str(source), writer(source, out, **options))
+    return _families[key]
+
+
+def _reference(source: str, state: dict, prompts, out: Path) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens on the dequantized weights, and its top-2 gap at each. The
+    weights go through a checkpoint: transformers renames (and stacks Mixtral's experts) on load."""
+    from safetensors.torch import save_file
+    shutil.copy(Path(source) / "config.json", out / "config.json")
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+            ids = torch.tensor([prompt])
+            generated = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_tokens, pad_token_id=0, output_scores=True,
+                                    return_dict_in_generate=True)
+            gaps = [float(s[0].topk(2).values.diff().abs()) for s in generated.scores]
+            expected.append((generated.sequences[0, len(prompt):].tolist(), gaps))
+    return expected
+
+
+# The projections the writers leave dense: an untied lm_head, the MoE router, OPT's projections
+# in and out.
+DENSE_PROJECTIONS = re.compile(r"lm_head|\.mlp\.gate$|project_(in|out)")
+
+
+def _num_quantized(model) -> tuple[int, int]:
+    """(projections held quantized, projections the writers quantize)."""
+    linears = [m for name, m in model.named_modules()
+               if isinstance(m, Linear) and not DENSE_PROJECTIONS.search(name)]
+    return sum(m.packed_quant is not None for m in linears), len(linears)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_neox", "gemma3"])  # OPT's position table is whole
+def test_each_rank_holds_about_half_of_a_quantized_family(family, tmp_path_factory):
+    path, _, _ = family_checkpoint(family, "awq", tmp_path_factory)
+    full = held_bytes(load_rank(path, 0, 1))
+    for rank in (0, 1):  # every expert's shard stays quantized
+        assert 0.45 < held_bytes(load_rank(path, rank, 2)) / full < 0.55
+
+
+@pytest.mark.parametrize("family,fmt", FAMILY_CASES)
+def test_tp2_matches_tp1_on_a_quantized_family(family, fmt, tmp_path_factory):
+    path, source, state = family_checkpoint(family, fmt, tmp_path_factory)
+    rng = random.Random(0)
+    vocab = load_config(path).vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+    llm = LLM(path, **ENGINE)
+    single = _generate(llm, prompts)
+    quantized, total = _num_quantized(llm.llm_engine.runner.model)
+    assert quantized == total  # each one kept quantized
+    reference = _reference(source, state, prompts, tmp_path_factory.mktemp(f"{family}-{fmt}-ref"))
+    for output, (tokens, gaps) in zip(single, reference):
+        got = list(output.outputs[0].token_ids)
+        for i, (a, b) in enumerate(zip(got, tokens)):
+            if a != b:  # only where the reference itself nearly tied
+                assert gaps[i] < TIE, f"token {i}: {a} vs {b}, reference top-2 gap {gaps[i]:.2e}"
+                break
+        else:
+            assert got == tokens
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        split = _generate(llm, prompts)
+        rank0 = llm.llm_engine.runner.model
+        # act-order's row-parallel shards are held dense (one warning); everything else quantized
+        held, _ = _num_quantized(rank0)
+        assert 0 < held <= quantized and (held == quantized or FORMATS[fmt][1].get("desc_act"))
+    finally:
+        llm.shutdown()
+    _assert_same_outputs(single, split)
