@@ -95,17 +95,20 @@ def run_offline(argv: list[str], seed: int) -> dict:
         return json.load(open(tmp.name))
 
 
-async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
+async def stream_one(session, model: str, prompt: list[int], max_tokens: int) -> tuple[str, int, float]:
+    """One streaming completion. aiohttp reads the events: the load generator shares the cores
+    with the servers, and it costs half the CPU per event of httpx's line iterator (68-70 against
+    143-157 us per one-token event, measured side by side on a 2-core Zen 4)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     text, tokens, first, times = "", 0, None, []
     start = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with session.post("/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in response.content:  # one line at a time; events end with a blank line
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[6:])
             if chunk["choices"]:
                 first = first or time.perf_counter() - start
                 text += chunk["choices"][0]["text"]
@@ -116,7 +119,7 @@ async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> 
 
 
 async def run_serving_round(base_url: str, model: str, requests, concurrency: int) -> dict:
-    import httpx
+    import aiohttp
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -124,8 +127,9 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
         async with gate:
             return await stream_one(client, model, prompt, max_tokens)
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(base_url, connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as client:
         await stream_one(client, model, requests[0][0][:16], 4)  # warm-up
         cpu_before, client_before = serving_cpu_seconds(), time.process_time()
         start = time.perf_counter()
