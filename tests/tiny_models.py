@@ -52,14 +52,15 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, tie_word_embed
                      num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4,
                      num_kv_heads: int = 2, head_dim: int | None = None, seed: int = 0,
                      max_position_embeddings: int = 1024, dtype: str = "float32",
-                     initializer_range: float = 0.2, rope_scaling: dict | None = None) -> Path:
+                     initializer_range: float = 0.2, rope_scaling: dict | None = None,
+                     vocab_size: int = 384) -> Path:
     """Save a seeded random checkpoint + tokenizer under out_dir; returns out_dir."""
     import torch
     import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out_dir)
+    tokenizer = build_tokenizer(out_dir, vocab_size)
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config}[arch]
     kwargs = dict(

@@ -1,7 +1,7 @@
 """tensor_parallel_size=2 on CPU (gloo, two local processes): greedy tokens equal
 tensor_parallel_size=1 and transformers, logprobs within 1e-4, for GQA (2 KV heads over 2 ranks),
 a replicated KV head (1 KV head over 2 ranks), Qwen2 (tied embeddings, q/k/v biases), Mistral,
-Qwen3 and Phi-3 (checkpoint-fused projections),
+Qwen3 and Phi-3 (checkpoint-fused projections), and a vocabulary of odd size,
 in the default mode and with chunked prefill under forced preemption; each rank holds about half
 of the weights; bad sizes fail at once naming both numbers; a rank that dies fails the health
 check and the next step instead of hanging them."""
@@ -36,6 +36,9 @@ MODELS = {
     "mistral": dict(arch="mistral", seed=3),
     "qwen3": dict(family="qwen3"),  # per-head q/k norms
     "phi3": dict(family="phi3"),  # q|k|v and gate|up fused in the checkpoint, partial rotary
+    # A vocabulary that does not split in two: the last rank's rows are one fewer, padded for the
+    # logits gather and cut after it.
+    "llama_odd_vocab": dict(arch="llama", vocab_size=383, seed=4),
 }
 ENGINE_ARGS = {"phi3": dict(max_model_len=64)}  # longrope's short factors, as transformers here
 SLOW = pytest.mark.slow  # each case starts a rank process (~5 s): the default suite keeps four
@@ -46,7 +49,8 @@ CASES = [pytest.param("llama_kv2", "default"), pytest.param("llama_kv2", "chunke
          pytest.param("qwen2", "chunked_preempted", marks=SLOW),
          pytest.param("mistral", "default", marks=SLOW),
          pytest.param("mistral", "chunked_preempted", marks=SLOW),
-         pytest.param("qwen3", "default", marks=SLOW), pytest.param("phi3", "default", marks=SLOW)]
+         pytest.param("qwen3", "default", marks=SLOW), pytest.param("phi3", "default", marks=SLOW),
+         pytest.param("llama_odd_vocab", "default", marks=SLOW)]
 ENGINE = dict(attention_backend="torch", num_threads=2)
 
 
