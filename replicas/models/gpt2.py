@@ -19,7 +19,7 @@ from replicas.models.causal_lm import CausalLM
 from replicas.models.layers import Embedding, LayerNorm
 from replicas.models.mlp import MLP
 from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard
+from replicas.parallel.sharding import Shard, row_parallel
 
 # Our module -> GPT-2's, inside a block (h.N.).
 _NAMES = {"attn.qkv_proj": "attn.c_attn", "attn.o_proj": "attn.c_proj",
@@ -96,11 +96,9 @@ class GPT2LMHeadModel(CausalLM):
             return Shard(0, ((self.vocab_start, self.vocab_stop),))
         parts = name.split(".")
         module, kind = parts[-2], parts[-1]
-        if module in ("o_proj", "down_proj"):  # row-parallel; its bias is added once, on rank 0
-            if kind == "bias":
-                return None if self.tp.is_driver else Shard(zeros=True)
+        if module in ("o_proj", "down_proj"):
             size = self.config.hidden_size if module == "o_proj" else intermediate_size(self.config)
-            return Shard(0, (self.tp.split(size, module),))
+            return row_parallel(self.tp, size, module, kind == "bias", dim=0)
         if module == "qkv_proj":  # this rank's heads of each of q, k, v
             start, stop = self.tp.split(self.num_heads, "num_attention_heads")
             width, hd = self.num_heads * self.head_dim, self.head_dim

@@ -19,7 +19,7 @@ from replicas.models.layers import LayerNorm
 from replicas.models.mlp import MLP
 from replicas.models.rotary import RotaryEmbedding
 from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard
+from replicas.parallel.sharding import Shard, row_parallel
 
 # Our module -> GPT-NeoX's, inside a layer.
 _NAMES = {"attention.qkv_proj": "attention.query_key_value", "attention.o_proj": "attention.dense",
@@ -92,11 +92,9 @@ class GPTNeoXForCausalLM(CausalLM):
             return Shard(0, ((self.vocab_start, self.vocab_stop),))
         parts = name.split(".")
         module = parts[-2]
-        if module in ("o_proj", "down_proj"):  # row-parallel; its bias is added once, on rank 0
-            if parts[-1] == "bias":
-                return None if self.tp.is_driver else Shard(zeros=True)
+        if module in ("o_proj", "down_proj"):
             size = self.config.hidden_size if module == "o_proj" else self.config.intermediate_size
-            return Shard(1, (self.tp.split(size, module),))
+            return row_parallel(self.tp, size, module, parts[-1] == "bias")
         if module == "qkv_proj":  # [heads, (q, k, v), head_dim] rows: this rank's heads in one block
             start, stop = self.tp.split(self.num_heads, "num_attention_heads")
             return Shard(0, ((start * 3 * self.head_dim, stop * 3 * self.head_dim),))

@@ -17,7 +17,7 @@ from replicas.models.layers import Linear, RMSNorm
 from replicas.models.mlp import GatedMLP
 from replicas.models.rotary import RotaryEmbedding
 from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard, kv_head_start
+from replicas.parallel.sharding import Shard, kv_head_start, row_parallel
 
 
 def llama_attention(config, layer: int, window: int | None, backend: AttentionBackend,
@@ -116,12 +116,9 @@ class LlamaForCausalLM(CausalLM):
         module = parts[-2] if len(parts) >= 2 else ""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return Shard(0, ((self.vocab_start, self.vocab_stop),))
-        if module in self.ROW_PARALLEL:  # bias: added once, on rank 0
-            if parts[-1] == "bias":
-                return None if self.tp.is_driver else Shard(zeros=True)
-            start, stop = self.tp.split(self.num_heads * self.head_dim if module == "o_proj"
-                                        else self.config.intermediate_size, module)
-            return Shard(1, ((start, stop),))
+        if module in self.ROW_PARALLEL:
+            size = self.num_heads * self.head_dim if module == "o_proj" else self.config.intermediate_size
+            return row_parallel(self.tp, size, module, parts[-1] == "bias")
         if module not in self.FUSED:
             return None  # norms: every rank holds them whole
         hd, rank, tp = self.head_dim, self.tp.rank, self.tp.world_size

@@ -17,7 +17,7 @@ from replicas.models.causal_lm import CausalLM, split_rows
 from replicas.models.layers import Embedding, LayerNorm, Linear, activation
 from replicas.parallel import state as parallel_state
 from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard
+from replicas.parallel.sharding import Shard, row_parallel
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (fairseq's padding legacy)
 
@@ -111,11 +111,9 @@ class OPTForCausalLM(CausalLM):
             return Shard(0, ((self.vocab_start, self.vocab_stop),))
         parts = name.split(".")
         module = parts[-2]
-        if module in ("o_proj", "fc2"):  # row-parallel; its bias is added once, on rank 0
-            if parts[-1] == "bias":
-                return None if self.tp.is_driver else Shard(zeros=True)
+        if module in ("o_proj", "fc2"):
             size = self.config.hidden_size if module == "o_proj" else self.config.ffn_dim
-            return Shard(1, (self.tp.split(size, module),))
+            return row_parallel(self.tp, size, module, parts[-1] == "bias")
         if module == "qkv_proj":  # q, k and v each: this rank's heads
             start, stop = self.tp.split(self.num_heads, "num_attention_heads")
             return Shard(0, ((start * self.head_dim, stop * self.head_dim),))

@@ -32,6 +32,15 @@ class Shard:
     zeros: bool = False
 
 
+def row_parallel(tp, size: int, what: str, bias: bool, dim: int = 1) -> Shard | None:
+    """A row-parallel projection's part on this rank (`tp`, a TensorParallel): its weight's share
+    of the `size` input channels (dim 1; 0 for GPT-2's transposed Conv1D), and its bias whole on
+    rank 0 and zeros elsewhere (the ranks' outputs are summed, so it must be added once)."""
+    if bias:
+        return None if tp.is_driver else Shard(zeros=True)
+    return Shard(dim, (tp.split(size, what),))
+
+
 def read_shard(source, shard: Shard | None):
     """`source` is a tensor, a safetensors slice (which reads only what is indexed), a
     QuantWeight, or a quantized checkpoint's lazy tensor (its `read_shard` reads only this
