@@ -161,3 +161,17 @@ def build_tiny_family(out_dir: str | Path, family: str, *, seed: int = 0, initia
     gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(gen))
     return out_dir
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, one prompt at a time (no padding)."""
+    import torch
+
+    expected = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, max_tokens):
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+    return expected

@@ -17,7 +17,7 @@ import transformers
 
 from replicas import LLM, SamplingParams
 from replicas.models.rotary import RotaryEmbedding
-from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family
+from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family, hf_greedy
 
 ORIGINAL = FAMILY_CONFIGS["phi3"][1]["original_max_position_embeddings"]
 LONG_PROMPT_LENS = [65, 70, 81, 96]  # all past the original context
@@ -71,13 +71,7 @@ def test_table_holds_the_factor_set_max_model_len_picks(max_model_len):
 def test_prompts_past_the_original_context_match_generate(phi3, mode):
     path, hf_model = phi3
     prompts = _prompts(LONG_PROMPT_LENS, hf_model.config.vocab_size, seed=1)
-    expected = []
-    with torch.no_grad():
-        for prompt, max_tokens in zip(prompts, LONG_MAX_TOKENS):
-            ids = torch.tensor([prompt])
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
+    expected = hf_greedy(hf_model, prompts, LONG_MAX_TOKENS)
     llm = LLM(path, attention_backend="torch", **MODES[mode])
     prompt_logprobs = 1 if mode == "default" else None
     outputs = _generate(llm, prompts, LONG_MAX_TOKENS, prompt_logprobs)

@@ -14,7 +14,7 @@ import transformers
 from kernels import native_linear
 from replicas import LLM, SamplingParams
 from replicas.models import MODEL_REGISTRY, get_model_class
-from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family
+from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family, hf_greedy
 
 # Longer than Gemma's 8-token windows and than one 32-token chunk; within Phi-3's original
 # context (64), which its max_model_len keeps it to (test_longrope.py: the other side).
@@ -38,15 +38,8 @@ def family(request, tmp_path_factory):
     rng = random.Random(0)
     vocab_size = hf_model.config.vocab_size
     prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-    expected = []
-    with torch.no_grad():
-        for prompt, max_tokens in zip(prompts, MAX_TOKENS):
-            ids = torch.tensor([prompt])
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
     return SimpleNamespace(name=request.param, path=str(path), hf_model=hf_model, prompts=prompts,
-                           expected=expected)
+                           expected=hf_greedy(hf_model, prompts, MAX_TOKENS))
 
 
 @pytest.mark.parametrize("mode", list(MODES))

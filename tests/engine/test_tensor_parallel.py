@@ -7,28 +7,21 @@ of the weights; bad sizes fail at once naming both numbers; a rank that dies fai
 check and the next step instead of hanging them."""
 from __future__ import annotations
 
-import random
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 
 from replicas import LLM, SamplingParams
 from replicas.model_loader import iterate_weights, load_config, weight_files
 from replicas.models import get_model_class
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import check_tensor_parallel, check_world_size
+from tests.engine.tp_checks import (ENGINE, MODES, assert_same_outputs, generate,
+                                    transformers_reference)
 from tests.tiny_models import build_tiny_family, build_tiny_model
 
-PROMPT_LENS = [1, 3, 9, 17, 33, 40]
-MAX_TOKENS = [10, 5, 8, 12, 6, 12]
-MODES = {
-    "default": dict(num_kv_blocks=64),
-    # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants more; 32-token chunks
-    "chunked_preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
-}
 MODELS = {
     "llama_kv2": dict(arch="llama", num_kv_heads=2),
     "llama_kv1": dict(arch="llama", num_kv_heads=1, seed=1),  # one KV head, replicated
@@ -51,7 +44,6 @@ CASES = [pytest.param("llama_kv2", "default"), pytest.param("llama_kv2", "chunke
          pytest.param("mistral", "chunked_preempted", marks=SLOW),
          pytest.param("qwen3", "default", marks=SLOW), pytest.param("phi3", "default", marks=SLOW),
          pytest.param("llama_odd_vocab", "default", marks=SLOW)]
-ENGINE = dict(attention_backend="torch", num_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +55,10 @@ def models(tmp_path_factory):
             spec = MODELS[name]
             path = (build_tiny_family(tmp_path_factory.mktemp(name), spec["family"])
                     if "family" in spec else build_tiny_model(tmp_path_factory.mktemp(name), **spec))
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            rng = random.Random(0)
-            prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-            expected = []
-            with torch.no_grad():
-                for prompt, max_tokens in zip(prompts, MAX_TOKENS):
-                    ids = torch.tensor([prompt])
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=max_tokens, pad_token_id=0)
-                    expected.append(out[0, len(prompt):].tolist())
-            built[name] = SimpleNamespace(path=str(path), prompts=prompts, expected=expected)
+            built[name] = transformers_reference(path)
         return built[name]
 
     return get
-
-
-def _generate(llm: LLM, model, prompt_logprobs: bool):
-    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=1,
-                             prompt_logprobs=1 if prompt_logprobs else None) for m in MAX_TOKENS]
-    return llm.generate([{"prompt_token_ids": p} for p in model.prompts], params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("name,mode", CASES)
@@ -90,25 +66,18 @@ def test_tp2_matches_tp1_and_transformers(models, name, mode):
     model = models(name)
     with_prompt_logprobs = mode == "default"
     engine = {**ENGINE, **MODES[mode], **ENGINE_ARGS.get(name, {})}
-    single = _generate(LLM(model.path, **engine), model, with_prompt_logprobs)
+    single = generate(LLM(model.path, **engine), model.prompts, prompt_logprobs=with_prompt_logprobs)
     llm = LLM(model.path, tensor_parallel_size=2, **engine)
     try:
-        split = _generate(llm, model, with_prompt_logprobs)
+        split = generate(llm, model.prompts, prompt_logprobs=with_prompt_logprobs)
         stats = llm.llm_engine.stats()
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in split] == model.expected
     assert [o.outputs[0].token_ids for o in single] == model.expected
+    assert_same_outputs(single, split, with_prompt_logprobs)
     if mode == "chunked_preempted":
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    for a, b in zip(single, split):
-        for pa, pb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
-        if with_prompt_logprobs:
-            for p, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
-                token = a.prompt_token_ids[p]
-                assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
 
 
 def _shard_bytes(path: str, rank: int, world_size: int) -> int:

@@ -6,29 +6,22 @@ what vLLM replicates too (norms, learned positions, OPT's projections in and out
 row-parallel biases, added once)."""
 from __future__ import annotations
 
-import random
 import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 
 from kernels import native_linear
-from replicas import LLM, SamplingParams
+from replicas import LLM
 from replicas.model_loader import iterate_weights, load_config, weight_files
 from replicas.models import BertModel, get_model_class
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import check_tensor_parallel
+from tests.engine.tp_checks import (ENGINE, MODES, assert_same_outputs, generate,
+                                    transformers_reference)
 from tests.tiny_models import build_tiny_family
 
-PROMPT_LENS = [1, 3, 9, 17, 33, 40]
-MAX_TOKENS = [10, 5, 8, 12, 6, 12]
-MODES = {
-    "default": dict(num_kv_blocks=64),
-    # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants more; 32-token chunks
-    "chunked_preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
-}
 FAMILIES = ["gpt2", "gpt_neox", "gpt_neox_sequential", "opt", "gemma2", "gemma3", "mixtral"]
 SLOW = pytest.mark.slow  # each case starts a rank process (~5 s): the default suite keeps two
 CASES = [pytest.param("gpt2", "default"), pytest.param("mixtral", "default"),
@@ -38,7 +31,6 @@ CASES = [pytest.param("gpt2", "default"), pytest.param("mixtral", "default"),
          pytest.param("gemma2", "default", marks=SLOW), pytest.param("gemma3", "default", marks=SLOW),
          pytest.param("opt", "chunked_preempted", marks=SLOW),
          pytest.param("mixtral", "chunked_preempted", marks=SLOW)]
-ENGINE = dict(attention_backend="torch", num_threads=2)
 # Parameters every rank holds whole: norms, learned position tables, OPT's project_in/out, the
 # MoE router, and row-parallel biases (real on rank 0, zeros elsewhere).
 REPLICATED = re.compile(r"norm|\.ln_|wpe|embed_positions|project_(in|out)|\.mlp\.gate\."
@@ -58,26 +50,10 @@ def families(tmp_path_factory):
         if not expected:
             return paths[name]
         if name not in built:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(paths[name], dtype=torch.float32).eval()
-            rng = random.Random(0)
-            prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-            tokens = []
-            with torch.no_grad():
-                for prompt, max_tokens in zip(prompts, MAX_TOKENS):
-                    ids = torch.tensor([prompt])
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=max_tokens, pad_token_id=0)
-                    tokens.append(out[0, len(prompt):].tolist())
-            built[name] = SimpleNamespace(path=paths[name], prompts=prompts, expected=tokens)
+            built[name] = transformers_reference(paths[name])
         return built[name]
 
     return get
-
-
-def _generate(llm: LLM, model, prompt_logprobs: bool):
-    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=1,
-                             prompt_logprobs=1 if prompt_logprobs else None) for m in MAX_TOKENS]
-    return llm.generate([{"prompt_token_ids": p} for p in model.prompts], params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("name,mode", CASES)
@@ -85,28 +61,21 @@ def test_tp2_matches_tp1_and_transformers(families, name, mode):
     model = families(name, expected=True)
     with_prompt_logprobs = mode == "default"
     engine = {**ENGINE, **MODES[mode]}
-    single = _generate(LLM(model.path, **engine), model, with_prompt_logprobs)
+    single = generate(LLM(model.path, **engine), model.prompts, prompt_logprobs=with_prompt_logprobs)
     llm = LLM(model.path, tensor_parallel_size=2, **engine)
     try:
-        split = _generate(llm, model, with_prompt_logprobs)
+        split = generate(llm, model.prompts, prompt_logprobs=with_prompt_logprobs)
         stats = llm.llm_engine.stats()
         moe = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "grouped")]
     finally:
         llm.shutdown()
-    assert [o.outputs[0].token_ids for o in split] == model.expected
     assert [o.outputs[0].token_ids for o in single] == model.expected
+    assert_same_outputs(single, split, with_prompt_logprobs)
     if mode == "chunked_preempted":
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     if name == "mixtral" and native_linear.linear_available():  # rank 0's expert shards, grouped
         assert moe and all(m.grouped is not None for m in moe)
-    for a, b in zip(single, split):
-        for pa, pb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
-        if with_prompt_logprobs:
-            for p, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
-                token = a.prompt_token_ids[p]
-                assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
 
 
 class _CountingSlice:

@@ -10,7 +10,6 @@ the weights."""
 from __future__ import annotations
 
 import logging
-import random
 import re
 import shutil
 from pathlib import Path
@@ -21,13 +20,14 @@ import transformers
 
 from kernels.quantized import QuantWeight, pack_values
 from kernels.reference import dequantize_weight
-from replicas import LLM, SamplingParams
+from replicas import LLM
 from replicas.model_loader import checkpoint_tensors, load_config
 from replicas.models import get_model_class
 from replicas.models.layers import Linear, deferred_weights
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import MIN_SHARD_GROUP, Shard, check_tensor_parallel, read_shard
 from tests import quant_checkpoints as qc
+from tests.engine.tp_checks import assert_same_outputs, generate, random_prompts
 from tests.tiny_models import build_tiny_family, build_tiny_model
 
 PROMPT_LENS = [1, 3, 9, 17, 33]
@@ -243,36 +243,17 @@ def test_quantized_families_that_do_not_shard_yet_say_so(tmp_path):
 
 # -- tensor_parallel_size=2 against 1 ----------------------------------------------------------
 
-def _generate(llm: LLM, prompts):
-    params = [SamplingParams(temperature=0, max_tokens=m, logprobs=1, prompt_logprobs=1)
-              for m in MAX_TOKENS]
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
 @pytest.mark.parametrize("fmt", CASES)
 def test_tp2_matches_tp1_on_a_quantized_checkpoint(fmt, sources, tmp_path_factory):
     path = checkpoint(fmt, sources, tmp_path_factory)
-    rng = random.Random(0)
-    vocab = load_config(path).vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
-    single = _generate(LLM(path, **ENGINE), prompts)
+    prompts = random_prompts(load_config(path).vocab_size, PROMPT_LENS)
+    single = generate(LLM(path, **ENGINE), prompts, MAX_TOKENS)
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     try:
-        split = _generate(llm, prompts)
+        split = generate(llm, prompts, MAX_TOKENS)
     finally:
         llm.shutdown()
-    _assert_same_outputs(single, split)
-
-
-def _assert_same_outputs(single, split):
-    """Greedy tokens equal; sampled and prompt logprobs within 1e-4."""
-    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in single]
-    for a, b in zip(single, split):
-        for pa, pb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
-        for p, (pa, pb) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]), start=1):
-            token = a.prompt_token_ids[p]
-            assert pb[token].logprob == pytest.approx(pa[token].logprob, abs=1e-4)
+    assert_same_outputs(single, split)
 
 
 # -- the other families, quantized -------------------------------------------------------------
@@ -347,11 +328,9 @@ def test_each_rank_holds_about_half_of_a_quantized_family(family, tmp_path_facto
 @pytest.mark.parametrize("family,fmt", FAMILY_CASES)
 def test_tp2_matches_tp1_on_a_quantized_family(family, fmt, tmp_path_factory):
     path, source, state = family_checkpoint(family, fmt, tmp_path_factory)
-    rng = random.Random(0)
-    vocab = load_config(path).vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+    prompts = random_prompts(load_config(path).vocab_size, PROMPT_LENS)
     llm = LLM(path, **ENGINE)
-    single = _generate(llm, prompts)
+    single = generate(llm, prompts, MAX_TOKENS)
     quantized, total = _num_quantized(llm.llm_engine.runner.model)
     assert quantized == total  # each one kept quantized
     reference = _reference(source, state, prompts, tmp_path_factory.mktemp(f"{family}-{fmt}-ref"))
@@ -365,11 +344,11 @@ def test_tp2_matches_tp1_on_a_quantized_family(family, fmt, tmp_path_factory):
             assert got == tokens
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     try:
-        split = _generate(llm, prompts)
+        split = generate(llm, prompts, MAX_TOKENS)
         rank0 = llm.llm_engine.runner.model
         # act-order's row-parallel shards are held dense (one warning); everything else quantized
         held, _ = _num_quantized(rank0)
         assert 0 < held <= quantized and (held == quantized or FORMATS[fmt][1].get("desc_act"))
     finally:
         llm.shutdown()
-    _assert_same_outputs(single, split)
+    assert_same_outputs(single, split)
