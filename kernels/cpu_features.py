@@ -108,6 +108,19 @@ def auto_dtype() -> str:
     return AUTO_DTYPE[cpu_level()]
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), "" where there is none: torch's
+    MKL is Intel's library and is tuned for Intel's CPUs, which some kernel choices hinge on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what the platform reports."""
     try:

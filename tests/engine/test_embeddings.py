@@ -64,11 +64,17 @@ def tiny_bert(tmp_path_factory):
     return path, model
 
 
-def test_bert_hidden_states_equal_transformers(tiny_bert):
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_bert_hidden_states_equal_transformers(tiny_bert, vendor, monkeypatch):
+    from kernels import cpu_features, native_linear
     from replicas.model_loader import load_model
 
+    # The fp32 projections take the native GEMM except on Intel's CPUs (MKL), on either path exact.
+    monkeypatch.setattr(cpu_features, "cpu_vendor", lambda: vendor)
     path, reference = tiny_bert
     ours, _, _ = load_model(path)
+    native = vendor != "GenuineIntel" and native_linear.linear_available()
+    assert all((layer.qkv_proj.packed is not None) == native for layer in ours.layers)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(4, 120, size=n).tolist() for n in (5, 17, 1, 33, 9)]
     starts = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).tolist()
