@@ -37,8 +37,11 @@ def peak_rss_mb() -> float:
 
 def run_pagedserve(args, requests) -> dict:
     from replicas import LLM, SamplingParams
+    from replicas.default_model import resolve_model
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads,
+    # The checkpoint every system here loads (the default model's float32 conversion, not the
+    # GGUF file the engine would pick on its own), so that dtypes and systems compare like for like.
+    llm = LLM(resolve_model(args.model), dtype=args.dtype, num_threads=args.threads,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_gb=args.kv_cache_gb, device=args.device)
     llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
@@ -51,7 +54,8 @@ def run_pagedserve(args, requests) -> dict:
     return {"seconds": elapsed, "cpu_seconds": cpu_seconds, "output_tokens": generated,
             "kv_slot_waste": stats["kv_slot_waste"],
             "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
-            "dtype": stats.get("dtype"), "kv_cache_dtype": stats.get("kv_cache_dtype"), "cpu": stats.get("cpu")}
+            "dtype": stats.get("dtype"), "kv_cache_dtype": stats.get("kv_cache_dtype"), "cpu": stats.get("cpu"),
+            "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
 def run_transformers(args, requests) -> dict:
@@ -149,10 +153,14 @@ def main() -> None:
 
     dtypes = args.dtype.split(",")
     runs: dict[tuple[str, str], list[dict]] = {}
+    token_ids: dict[str, list] = {}  # at the first dtype, for the peers' token agreement
     for round_index in range(args.rounds):  # alternating: load from other processes falls on all alike
         for dtype in dtypes:
             for system in args.systems.split(","):
                 r = run_child(system, dtype)
+                tokens = r.pop("output_token_ids", None)
+                if tokens is not None and dtype == dtypes[0]:
+                    token_ids[system] = tokens
                 runs.setdefault((system, dtype), []).append(r)
                 per_cpu = f", {r['tokens_per_cpu_s']:.1f} per CPU-second" if "tokens_per_cpu_s" in r else ""
                 print(f"{system:>14} {dtype:>8} [round {round_index + 1}/{args.rounds}]: "
@@ -184,7 +192,7 @@ def main() -> None:
                     line += f", per CPU-second {cpu_ratio:.2f}x"
                 print(line)
     if args.peers:
-        summary.update(run_peers(args, results, plot_name="offline_throughput"))
+        summary.update(run_peers(args, results, plot_name="offline_throughput", token_ids=token_ids))
     if "pagedserve" in results and "transformers" in results:
         ratio = results["pagedserve"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
         summary["ratio_vs_transformers"] = ratio

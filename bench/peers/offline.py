@@ -192,13 +192,17 @@ def measure_peak(args) -> dict:
     return peaks
 
 
-def measure(args, systems: list[str], requests: list, results: dict) -> None:
+def measure(args, systems: list[str], requests: list, results: dict,
+            token_ids: dict | None = None) -> None:
     """Each system on the workload, `args.rounds` times round-robin (a, b, c, a, b, c...) so load
-    from other processes falls on all alike; keeps each system's fastest round in `results`."""
+    from other processes falls on all alike; keeps each system's fastest round in `results`, and
+    its greedy output tokens in `token_ids`."""
     for round_index in range(args.rounds):
         for system in systems:
             r = run_system(args, system, requests)
-            r.pop("output_token_ids", None)
+            tokens = r.pop("output_token_ids", None)
+            if token_ids is not None and tokens is not None:
+                token_ids[system] = tokens
             rounds = results.get(system, {}).get("tokens_per_s_rounds", []) + [r["tokens_per_s"]]
             if system not in results or r["seconds"] < results[system]["seconds"]:
                 results[system] = r
@@ -217,7 +221,7 @@ def run_largest_batch(args) -> dict:
     measure(big, [s for s in args.mfu_systems.split(",") if s], requests, results)
     mfu = {}
     for system, r in results.items():
-        bf16 = system == "vllm-bf16" or (args.dtype == "bfloat16" and system != "vllm")
+        bf16 = system == "vllm-bf16" or args.dtype == "bfloat16"  # "vllm" runs at args.dtype
         peak = peaks["bfloat16" if bf16 else "float32"]
         achieved = flops / r["seconds"] / 1e9
         mfu[system] = {"gflops_per_s": achieved, "peak_gflops_per_s": peak, "mfu": achieved / peak,
@@ -228,13 +232,15 @@ def run_largest_batch(args) -> dict:
             "results": results, "mfu": mfu}
 
 
-def run_peers(args, results: dict, plot_name: str = "offline_peers") -> dict:
+def run_peers(args, results: dict, plot_name: str = "offline_peers", token_ids: dict | None = None) -> dict:
     """Run the peers (args.peers, comma-separated) on the workload of `args` and add them to
-    `results` (systems already there are kept), then the largest-batch MFU runs; print the ratio and
-    MFU tables, plot both to bench/results/<plot_name>.png; return what goes into the JSON."""
+    `results` (systems already there are kept), then the largest-batch MFU runs; print the ratio,
+    token-agreement and MFU tables, plot to bench/results/<plot_name>.png; return what goes into
+    the JSON. token_ids: the greedy tokens of the systems already measured, by system."""
     peers = [s for s in args.peers.split(",") if s and s not in results]
-    measure(args, peers, build_workload(args), results)
-    summary = {"ratios": ratio_table(results)}
+    token_ids = dict(token_ids or {})
+    measure(args, peers, build_workload(args), results, token_ids)
+    summary = {"ratios": ratio_table(results), "token_agreement": agreement_table(args, token_ids)}
     if args.mfu_systems:
         summary["largest_batch"] = run_largest_batch(args)
     png = plot(args, results, summary.get("largest_batch"), RESULTS_DIR / f"{plot_name}.png")
@@ -282,6 +288,27 @@ def ratio_table(results: dict) -> dict:
     for a in names:
         print(f"{a:>16} " + "".join(f"{ratios[a][b]:15.2f}x" for b in names))
     return ratios
+
+
+def agreement_table(args, token_ids: dict) -> dict:
+    """pagedserve's greedy tokens against each vLLM run of the same dtype: requests whose tokens
+    are identical, and the mean fraction of each request's tokens before the first difference
+    (rounding in bf16 makes some differences legitimate: two near-tied logits swap)."""
+    ours = token_ids.get("pagedserve")
+    table = {}
+    for peer in ("vllm", "vllm-bf16"):
+        peer_dtype = "bfloat16" if peer == "vllm-bf16" else args.dtype
+        theirs = token_ids.get(peer)
+        if ours is None or theirs is None or peer_dtype != args.dtype:
+            continue
+        prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                    / max(len(x), 1) for x, y in zip(ours, theirs)]
+        same = sum(x == y for x, y in zip(ours, theirs))
+        table[peer] = {"identical_requests": same, "requests": len(ours),
+                       "mean_matching_prefix": sum(prefixes) / len(prefixes)}
+        print(f"pagedserve vs {peer} ({peer_dtype}): {same}/{len(ours)} requests token-identical, "
+              f"mean matching prefix {100 * table[peer]['mean_matching_prefix']:.1f} %")
+    return table
 
 
 def mfu_table(big, flops: float, peaks: dict, mfu: dict) -> None:
@@ -335,10 +362,11 @@ def main() -> None:
         args.peers = PEERS
 
     results: dict = {}
+    token_ids: dict = {}
     own = [x for x in args.systems.split(",") if x]
     measure(args, own + [x for x in args.peers.split(",") if x and x not in own], build_workload(args),
-            results)
-    summary = {"config": vars(args), "results": results, **run_peers(args, results)}
+            results, token_ids)
+    summary = {"config": vars(args), "results": results, **run_peers(args, results, token_ids=token_ids)}
     print("wrote", write_result("offline_peers", summary))
 
 
