@@ -12,11 +12,15 @@ The same seeded texts (5 to 120 words, so a batch mixes lengths) are split into 
   Serve app started here (proxy -> ingress -> one encoder replica), base64-encoded as the OpenAI
   SDK asks by default (`--encoding float` for JSON floats).
 
+All four run in `--dtype` (sentence-transformers loads its model in it too); the cosines are
+against a float32 sentence-transformers encode, whatever the dtype.
+
 Prints texts/s (median of the rounds) and the ratios against `st_per_batch` (goal for `served`:
 >= 1.5x at batch 32) and against `st_sorted`; writes JSON.
 
     python -m bench.embeddings [--model all-MiniLM-L6-v2|DIR] [--threads 1] [--batch-size 32]
                                [--num-texts 256] [--rounds 3] [--concurrency 2] [--encoding base64]
+                               [--dtype float32|bfloat16]
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def make_texts(num_texts: int, seed: int) -> list[str]:
             for _ in range(num_texts)]
 
 
-def serve_app(model: str, threads: int):
+def serve_app(model: str, threads: int, dtype: str):
     import ray
     from ray import serve
 
@@ -69,7 +73,7 @@ def serve_app(model: str, threads: int):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(dict(model=model, num_replicas=1, num_threads=threads,
-                             replica_num_cpus=1)), name="embeddings", route_prefix="/")
+                             replica_num_cpus=1, dtype=dtype)), name="embeddings", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -100,6 +104,8 @@ def main() -> None:
     parser.add_argument("--encoding", choices=["base64", "float"], default="base64",
                         help="encoding_format of the served calls (the OpenAI SDK's default: base64)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="of every system here, sentence-transformers included")
     args = parser.parse_args()
 
     import httpx
@@ -111,9 +117,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_name(args.model)
-    reference = SentenceTransformer(model_dir, device="cpu")
-    offline = LLM(args.model, num_threads=args.threads)
-    base_url = serve_app(args.model, args.threads)
+    torch_dtype = getattr(torch, args.dtype)
+    exact = SentenceTransformer(model_dir, device="cpu")  # float32: what the cosines are against
+    reference = (exact if args.dtype == "float32" else
+                 SentenceTransformer(model_dir, device="cpu", model_kwargs={"dtype": torch_dtype}))
+    offline = LLM(args.model, num_threads=args.threads, dtype=args.dtype)
+    base_url = serve_app(args.model, args.threads, args.dtype)
     client = httpx.Client(base_url=base_url, timeout=300)
     num_tokens = sum(len(ids) for ids in reference.tokenizer(make_texts(args.num_texts, args.seed))
                      ["input_ids"])
@@ -142,23 +151,22 @@ def main() -> None:
             start = time.perf_counter()
             results[name] = run(texts)
             rates[name].append(len(texts) / (time.perf_counter() - start))
-    expected = results["st_per_batch"]
+    expected = exact.encode(texts, batch_size=args.batch_size, convert_to_numpy=True)
     cosines = {name: float(((got * expected).sum(1) / (np.linalg.norm(got, axis=1)
                                                        * np.linalg.norm(expected, axis=1))).min())
-               for name, got in results.items() if name != "st_per_batch"}
+               for name, got in results.items()}
     medians = {name: statistics.median(values) for name, values in rates.items()}
     baseline, sorted_baseline = medians["st_per_batch"], medians["st_sorted"]
     cpu = cpu_description()
     # The machine may be shared: its load says how far to trust the absolute figures.
     load = [round(x, 2) for x in os.getloadavg()]
-    print(f"{args.num_texts} texts ({num_tokens} tokens), batch {args.batch_size}, "
+    print(f"{args.num_texts} texts ({num_tokens} tokens), batch {args.batch_size}, {args.dtype}, "
           f"{args.threads} thread(s), {args.rounds} alternating rounds, {cpu}, "
           f"load average {load[0]} {load[1]} {load[2]}")
-    print(f"{'':14} {'texts/s':>9} {'vs st_per_batch':>16} {'vs st_sorted':>13}  min cosine")
+    print(f"{'':14} {'texts/s':>9} {'vs st_per_batch':>16} {'vs st_sorted':>13}  min cosine vs fp32")
     for name, rate in medians.items():
-        cosine = f"{cosines[name]:.6f}" if name in cosines else "-"
         print(f"{name:14} {rate:9.1f} {rate / baseline:15.2f}x {rate / sorted_baseline:12.2f}x  "
-              f"{cosine}")
+              f"{cosines[name]:.6f}")
     path = write_result("embeddings", dict(
         args=vars(args), cpu=cpu, load_average=load, num_tokens=num_tokens, texts_per_s=rates,
         median=medians,
