@@ -43,19 +43,10 @@ WORDS = ("the of and to in is that for it as with was on be by at this from or a
 
 
 def cpu_description() -> str:
-    name, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    from kernels import cpu_features
+    flags = cpu_features.cpu_flags()
     shown = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if flag in flags]
-    return f"{name} ({', '.join(shown) or 'no avx2'})"
+    return f"{cpu_features.cpu_name()} ({', '.join(shown) or 'no avx2'})"
 
 
 def make_texts(num_texts: int, seed: int) -> list[str]:

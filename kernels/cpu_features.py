@@ -33,16 +33,22 @@ REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx51
 OVERRIDE_ENV = "PAGEDSERVE_CPU_LEVEL"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where there is no such file."""
+def _cpuinfo_field(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line that starts with one of keys (the first CPU's);
+    None where there is no such line or file."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where there is no such file."""
+    return set((_cpuinfo_field("flags", "Features") or "").split())
 
 
 def detected_level() -> str:
@@ -111,26 +117,12 @@ def auto_dtype() -> str:
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), "" where there is none: torch's
     MKL is Intel's library and is tuned for Intel's CPUs, which some kernel choices hinge on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what the platform reports."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def describe() -> dict:

@@ -34,6 +34,7 @@ import subprocess
 from pathlib import Path
 
 from bench.peers.vllm_env import PEERS_DIR
+from kernels import cpu_features
 
 SETUP_SCRIPT = Path(__file__).resolve().parent / "setup_llamacpp.sh"
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "llamacpp_offline.py"
@@ -52,9 +53,7 @@ ISA_FLAGS = re.compile(r"^(sse|ssse|avx|f16c|fma|bmi|amx)")
 def cpu_flags() -> str:
     """This CPU's instruction-set flags as setup_llamacpp.sh stamps them into the venv
     (`built-for-cpu`): the SIMD ones ggml compiles for, so unrelated flags never force a rebuild."""
-    with open("/proc/cpuinfo") as f:
-        line = next((line for line in f if line.startswith("flags")), "")
-    return " ".join(sorted(f for f in line.partition(":")[2].split() if ISA_FLAGS.match(f)))
+    return " ".join(sorted(f for f in cpu_features.cpu_flags() if ISA_FLAGS.match(f)))
 
 
 def llamacpp_python() -> Path:
