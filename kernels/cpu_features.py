@@ -95,22 +95,28 @@ def has_native_bf16() -> bool:
     return LEVELS.index(cpu_level()) >= LEVELS.index("avx512_bf16")
 
 
-# The dtype `dtype="auto"` runs a half-precision (bf16 / fp16) checkpoint in, per level: bf16 only
-# where it is faster end to end than fp32. Measured 2026-12-01, default model (SmolLM2-135M),
-# bench.offline_throughput, 24 mixed requests, 1 thread, before/after and dtypes alternating,
-# output tokens per CPU-second (the machine was shared):
-#   avx512_bf16, Intel Xeon (Sapphire Rapids class; avx2 fma avx512f avx512_bf16 avx512_fp16
-#                avx512_vnni, no AMX exposed): bf16 / fp32 = 1.11 with the bf16 norms, SiLU and
-#                decode attention native (0.96 before them: each bf16 op converted in torch).
+# The dtype `dtype="auto"` runs an unquantized checkpoint in on the CPU, per level, whatever dtype
+# the checkpoint is stored in (as vLLM's CPU backend does): bf16 where it is faster end to end than
+# fp32. Measured, default model (SmolLM2-135M, its float32 conversion), output tok/s, dtypes
+# alternating in one run:
+#   avx512_bf16, Intel Xeon (Sapphire Rapids class, no AMX exposed), 24 mixed requests, 1 thread,
+#                2026-12-01: bf16 / fp32 = 1.11.
+#   avx512_bf16, AMD EPYC Zen 4, bench.peers.offline, 32 requests, 2 threads, 2026-12-02: 1.49.
+#   avx512_bf16, AMD EPYC Zen 5 (avx512_vp2intersect, no AMX), 32 requests x 96 tokens, 2 threads,
+#                2026-12-02: 680 / 484 tok/s = 1.41.
 #   avx512 (AVX-512 without AVX512-BF16) and avx2: bf16 matmuls are emulated by oneDNN or torch,
 #                ~1.4 GFLOP/s against ~90 in fp32 on a Zen 3 (FACTS), so fp32.
-# fp32 checkpoints stay fp32 under auto (vLLM rounds them to half precision): the engine's fp32
-# output is token-exact with transformers, bf16's is not, and the gain above is ~10 %.
+# bf16 is not token-exact with transformers' fp32; dtype="float32" is, and tests that compare
+# against transformers pass it. Quantized checkpoints keep fp32 activations (QUANTIZED_AUTO_DTYPE).
 AUTO_DTYPE = {"native": "float32", "avx2": "float32", "avx512": "float32", "avx512_bf16": "bfloat16"}
+# Activations of a weight-only quantized model under auto: the int4/int8 kernels dequantize into
+# fp32 FMAs either way, and bf16 activations measured slower (Zen 5, the default Q4_1 GGUF, 32
+# requests x 96 tokens, 2 threads, alternating: fp32 513, bf16 485 tok/s).
+QUANTIZED_AUTO_DTYPE = "float32"
 
 
 def auto_dtype() -> str:
-    """The dtype a half-precision checkpoint runs in under dtype="auto" at the level in use."""
+    """The dtype an unquantized checkpoint runs in under dtype="auto" at the level in use."""
     return AUTO_DTYPE[cpu_level()]
 
 

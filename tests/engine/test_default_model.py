@@ -114,7 +114,7 @@ def test_default_model_matches_transformers(converted):
         hf_out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_new, do_sample=False)
     expected = hf_out[0, len(prompt_ids):].tolist()
 
-    model, hf_config, dtype = load_model(path, attention_backend="reference")
+    model, hf_config, dtype = load_model(path, dtype="float32", attention_backend="reference")
     assert (hf_config.num_hidden_layers, hf_config.vocab_size, dtype) == (30, 49152, torch.float32)
     block_size, block_table = 16, [5, 0, 3, 7]
     kv_caches = [torch.zeros(model.kv_cache_shape(8, block_size)) for _ in range(model.num_layers)]

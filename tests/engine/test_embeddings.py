@@ -72,7 +72,7 @@ def test_bert_hidden_states_equal_transformers(tiny_bert, vendor, monkeypatch):
     # The fp32 projections take the native GEMM except on Intel's CPUs (MKL), on either path exact.
     monkeypatch.setattr(cpu_features, "cpu_vendor", lambda: vendor)
     path, reference = tiny_bert
-    ours, _, _ = load_model(path)
+    ours, _, _ = load_model(path, dtype="float32")
     native = vendor != "GenuineIntel" and native_linear.linear_available()
     assert all((layer.qkv_proj.packed is not None) == native for layer in ours.layers)
     rng = np.random.default_rng(0)
@@ -91,7 +91,8 @@ def test_encoder_pools_as_configured_and_batches_without_padding(tiny_bert):
     from replicas.encoder_engine import EncoderEngine
 
     path, reference = tiny_bert
-    engine = EncoderEngine(EngineConfig(model=str(path), max_num_batched_tokens=64), str(path))
+    engine = EncoderEngine(EngineConfig(model=str(path), max_num_batched_tokens=64, dtype="float32"),
+                           str(path))
     assert engine.pooling.mode == "cls" and not engine.pooling.normalize
     texts = ["abc", "hello there", "z", "the quick brown fox"]
     together = engine.embed(texts)
@@ -213,7 +214,7 @@ def test_decoder_pooling_equals_transformers(tiny_model_dir, mode):
 
     path = str(tiny_model_dir("llama"))
     # 32 tokens a step: the long prompt's prefill runs in chunks, pooled across them.
-    llm = LLM(path, pooling=mode, max_num_batched_tokens=32, num_kv_blocks=64)
+    llm = LLM(path, pooling=mode, max_num_batched_tokens=32, num_kv_blocks=64, dtype="float32")
     ids = [llm.get_tokenizer().encode(p) for p in DECODER_PROMPTS]
     assert len(ids[1]) > 32
     expected = _transformers_pooled(path, ids, mode)
@@ -231,7 +232,7 @@ def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
     from replicas.sampling_params import SamplingParams
 
     path = str(tiny_model_dir("llama"))
-    engine = AsyncEngine(EngineConfig(model=path, pooling="mean", num_kv_blocks=64))
+    engine = AsyncEngine(EngineConfig(model=path, pooling="mean", num_kv_blocks=64, dtype="float32"))
     ids = [engine.tokenizer.encode(p) for p in DECODER_PROMPTS]
     expected = _transformers_pooled(path, ids, "mean")
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

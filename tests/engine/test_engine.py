@@ -62,7 +62,7 @@ ENGINE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_greedy_matches_transformers(model_dir, reference, variant):
     prompts, max_tokens, expected = reference
-    llm = LLM(model_dir, attention_backend="torch", **ENGINE_VARIANTS[variant])
+    llm = LLM(model_dir, attention_backend="torch", dtype="float32", **ENGINE_VARIANTS[variant])
     params = [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -77,7 +77,7 @@ def test_greedy_matches_transformers(model_dir, reference, variant):
 
 def test_logprobs_match_transformers(model_dir, hf_model):
     prompt = make_prompts(hf_model.config.vocab_size)[4]
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, dtype="float32")
     out = llm.generate({"prompt_token_ids": prompt},
                        SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2),
                        use_tqdm=False)[0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ import transformers
 
 from kernels import kv_cache_bytes_per_block, kv_cache_shape
 from kernels.cpu_features import has_native_bf16
-from replicas.model_loader import iterate_weights, load_model, weight_files
+from replicas.model_loader import DTYPES, iterate_weights, load_model, resolve_dtype, weight_files
 from replicas.models import LlamaForCausalLM
+
+NATIVE_AUTO = torch.bfloat16 if has_native_bf16() else torch.float32  # dtype="auto" on this CPU
 
 
 def test_sharded_checkpoint_loads_identically(tiny_model_dir, tmp_path):
@@ -38,9 +41,10 @@ def test_iterate_weights_streams_every_tensor_once(tiny_model_dir):
 
 
 @pytest.mark.parametrize("name, dtype, expected", [
-    ("llama", "auto", torch.float32),
-    # auto keeps bf16 only where the CPU computes it natively (AVX2-only: fp32 is ~60x faster)
-    ("llama_bf16", "auto", torch.bfloat16 if has_native_bf16() else torch.float32),
+    # auto on CPU: bf16 where the CPU computes it natively, whatever the checkpoint's dtype, else
+    # fp32 (AVX2-only: fp32 is ~60x faster than emulated bf16)
+    ("llama", "auto", NATIVE_AUTO),
+    ("llama_bf16", "auto", NATIVE_AUTO),
     ("llama_bf16", "bfloat16", torch.bfloat16),
     ("llama_bf16", "float32", torch.float32),
     ("llama", "float16", torch.float16),
@@ -55,7 +59,7 @@ def test_dtype(tiny_model_dir, name, dtype, expected):
     assert hf_config.num_hidden_layers == model.num_layers == 2
 
 
-def test_auto_dtype_without_dtype_field_is_float32(tiny_model_dir, tmp_path):
+def test_auto_dtype_without_dtype_field_follows_the_cpu(tiny_model_dir, tmp_path):
     path = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama_bf16"), path)
     config = json.loads((path / "config.json").read_text())
@@ -63,7 +67,16 @@ def test_auto_dtype_without_dtype_field_is_float32(tiny_model_dir, tmp_path):
     config.pop("torch_dtype", None)
     (path / "config.json").write_text(json.dumps(config))
     _, _, torch_dtype = load_model(path, attention_backend="reference")
-    assert torch_dtype == torch.float32
+    assert torch_dtype == NATIVE_AUTO
+
+
+@pytest.mark.parametrize("found", ["float32", "bfloat16", "float16", None])
+def test_auto_dtype_rule(found):
+    config = SimpleNamespace(dtype=found)
+    assert resolve_dtype("auto", config) == NATIVE_AUTO
+    assert resolve_dtype("auto", config, quantized=True) == torch.float32  # fp32 activations
+    assert resolve_dtype("auto", config, "cuda") == DTYPES.get(found, torch.float32)
+    assert resolve_dtype("float32", config) == torch.float32
 
 
 def test_unsupported_dtype_is_rejected(tiny_model_dir):

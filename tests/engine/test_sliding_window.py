@@ -68,7 +68,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(model_dir, reference, variant):
     prompts, max_tokens, expected = reference
-    llm = LLM(model_dir, block_size=BLOCK_SIZE, **VARIANTS[variant])
+    llm = LLM(model_dir, block_size=BLOCK_SIZE, dtype="float32", **VARIANTS[variant])
     engine = llm.llm_engine
     assert engine.runner.model.sliding_windows == [WINDOW, WINDOW]
     assert engine.max_model_len == 1024  # the rotary table's length, not the window's

@@ -20,7 +20,8 @@ MODES = {
     # 5 blocks of 16: the longest sequence (52 tokens) fits, the batch wants more; 32-token chunks
     "chunked_preempted": dict(num_kv_blocks=5, max_num_batched_tokens=32),
 }
-ENGINE = dict(attention_backend="torch", num_threads=2)
+# float32: what transformers is compared in (auto is bf16 on CPUs with AVX512-BF16)
+ENGINE = dict(attention_backend="torch", num_threads=2, dtype="float32")
 
 
 def random_prompts(vocab_size: int, lengths: list[int] = PROMPT_LENS) -> list[list[int]]:
