@@ -10,19 +10,31 @@ them before the next digest says so. An optimistic entry lives until a digest ta
 Hashes are chained (`replicas.block_hash`), so one hash names a whole prefix; a match is the number
 of leading blocks of a request that a replica holds. The inverted index (hash -> replicas holding
 it, by mirror or optimistically) is kept from the mirrors' changes and the inserts, so a match
-costs the request's blocks times the replicas that hold them, not the fleet's size. Pure Python.
+costs the request's blocks times the replicas that hold them, not the fleet's size.
+
+A hot prompt's shared part (an llm-d tenant's 6,000-token context: 375 blocks) has one holder set
+all along, and looking each of its blocks up in a large, cache-cold index was most of a decision.
+So the index remembers such runs: from a chain's first block, the length, the last hash and the
+holder set of its leading blocks that all have that one holder set. Since hashes are chained, a
+request whose block at the run's last position equals the run's last hash shares every block
+before it, and skips their lookups. A run is forgotten as soon as any of its blocks changes
+holders (each of them points at its run's first block), so matches stay exact. Pure Python.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from itertools import groupby, repeat
+from itertools import groupby, islice, repeat
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
 
 DEFAULT_OPTIMISTIC_TTL_S = 10.0
+# Leading blocks with one holder set from which a run is remembered: below this, looking them up
+# costs about what remembering them does.
+RUN_MIN_BLOCKS = 16
+RUNS_PER_ROOT = 4  # prompts that share a first block and a holder set past where they part
 _EMPTY: frozenset = frozenset()
 
 
@@ -60,8 +72,10 @@ class _Holders:
 
 
 class PrefixIndex:
-    def __init__(self, optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S):
+    def __init__(self, optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S,
+                 run_min_blocks: int = RUN_MIN_BLOCKS):
         self.optimistic_ttl_s = optimistic_ttl_s
+        self.run_min_blocks = run_min_blocks
         self._mirrors: dict[str, CacheMirror] = {}  # replica -> what its event stream says it holds
         self._optimistic: dict[str, dict[int, float]] = {}  # replica -> hash -> inserted at
         # replica -> (inserted at, hashes) per insert, oldest first: what the TTL expires
@@ -74,6 +88,9 @@ class PrefixIndex:
         # hash -> the replicas holding it, by their mirror or optimistically
         self._holders: dict[int, frozenset[str]] = {}
         self._single: dict[str, frozenset[str]] = {}  # replica -> frozenset((replica,))
+        # first hash of a chain -> its remembered runs, [(length, last hash, holders)]
+        self._runs: dict[int, list[tuple[int, int, frozenset[str]]]] = {}
+        self._run_root: dict[int, int] = {}  # hash -> the first hash of the runs covering it
 
     @property
     def replica_ids(self) -> set[str]:
@@ -142,19 +159,30 @@ class PrefixIndex:
     def prefix_match(self, block_hashes: Sequence[int], live: Set[str]) -> PrefixMatch:
         """The leading blocks of the request each live replica holds; `live` must be a set (or
         dict keys). A chain's blocks mostly share one holder set (see `_add`), so the walk is per
-        run of blocks with the same holders, in C but for the runs."""
+        run of blocks with the same holders, in C but for the runs, and skips a remembered run."""
         if not block_hashes:
             return PrefixMatch()
-        survivors = self._holders.get(block_hashes[0], _EMPTY) & live  # holding every block so far
+        root = block_hashes[0]
+        first_held = self._holders.get(root, _EMPTY)
+        survivors = first_held & live  # holding every block so far
         common = None if len(survivors) == len(live) else 0  # None: every live replica so far
         if not survivors:  # a cold prefix
             return PrefixMatch()
+        num_blocks = len(block_hashes)
+        start = known = 0  # blocks walked; of them, those known to have first_held as holders
+        for length, last, held in self._runs.get(root, ()):
+            if known < length <= num_blocks and block_hashes[length - 1] == last:
+                start = known = length  # `held` is first_held: any change forgets the run
+        rest = islice(block_hashes, start, None) if start else block_hashes
         # Lazily: the walk mostly stops at the first block nobody holds (a query's own blocks).
-        held_by = map(self._holders.get, block_hashes, repeat(_EMPTY))
+        held_by = map(self._holders.get, rest, repeat(_EMPTY))
         deeper: dict[str, int] = {}
-        start = 0
+        first_run = start  # the leading blocks that have first_held as holders
         for held, run in groupby(held_by):
-            if start and not survivors <= held:
+            if start == first_run and held == first_held:
+                start = first_run = start + len(list(run))
+                continue
+            if not survivors <= held:
                 remaining = survivors & held
                 if common is None:
                     common = start  # those that stop here hold what every replica holds: unlisted
@@ -164,9 +192,11 @@ class PrefixIndex:
                 if not survivors:
                     break
             start += len(list(run))
+        if first_run > known and first_run >= self.run_min_blocks:
+            self._remember_run(block_hashes, known, first_run, first_held)
         if common is None:
-            return PrefixMatch(len(block_hashes) if survivors else 0)
-        deeper.update(zip(survivors, repeat(len(block_hashes))))
+            return PrefixMatch(num_blocks if survivors else 0)
+        deeper.update(zip(survivors, repeat(num_blocks)))
         return PrefixMatch(common, deeper)
 
     def match(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
@@ -183,6 +213,22 @@ class PrefixIndex:
         mirror = self._mirrors.get(replica_id)
         return mirror.block_hashes if mirror is not None else _EMPTY
 
+    def _remember_run(self, block_hashes: Sequence[int], known: int, length: int,
+                      held: frozenset[str]) -> None:
+        """Blocks [0, length) of block_hashes have `held` as holders ([0, known) remembered
+        already, under the same first block)."""
+        root = block_hashes[0]
+        runs = [r for r in self._runs.get(root, ()) if r[0] != known][-(RUNS_PER_ROOT - 1):]
+        runs.append((length, block_hashes[length - 1], held))
+        self._runs[root] = runs
+        self._run_root.update(zip(islice(block_hashes, known, length), repeat(root)))
+
+    def _forget_runs(self, block_hash: int) -> None:
+        """block_hash changes holders: the runs over it no longer say who holds their blocks."""
+        root = self._run_root.pop(block_hash, None)
+        if root is not None:
+            self._runs.pop(root, None)
+
     def _add(self, replica_id: str, block_hashes: Iterable[int]) -> None:
         # Holder sets are frozensets, shared: every hash that only replica_id holds points at one
         # object, so the blocks of a miss enter the index in one C-level pass.
@@ -198,20 +244,26 @@ class PrefixIndex:
         if held_by.count(single) == len(held_by):
             return
         grown: dict[frozenset[str], frozenset[str]] = {}  # so equal holder sets stay one object
+        forget = self._forget_runs if self._run_root else None
         for block_hash, held in zip(block_hashes, held_by):
             if held is not single and replica_id not in held:
                 more = grown.get(held)
                 if more is None:
                     more = grown[held] = held | single
                 holders[block_hash] = more
+                if forget is not None:
+                    forget(block_hash)
 
     def _discard(self, replica_id: str, block_hashes: Iterable[int]) -> None:
         holders = self._holders
         single = self._single.get(replica_id, _EMPTY)
         shrunk: dict[frozenset[str], frozenset[str]] = {}
+        forget = self._forget_runs if self._run_root else None
         for block_hash in block_hashes:
             held = holders.get(block_hash)
             if held is not None and replica_id in held:
+                if forget is not None:
+                    forget(block_hash)
                 if len(held) == 1:
                     del holders[block_hash]
                     continue

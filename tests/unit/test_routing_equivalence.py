@@ -11,7 +11,7 @@ from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVS
                                 encode_event, wire_stream)
 from serve_app.routing.load import LoadTracker
 from serve_app.routing.policy import RoutingSettings, rendezvous_weight
-from serve_app.routing.prefix_index import PrefixIndex
+from serve_app.routing.prefix_index import RUN_MIN_BLOCKS, PrefixIndex
 from serve_app.routing.router_state import RouterState
 
 CHAINS = [[1000 * c + b for b in range(12)] for c in range(6)]  # six 12-block prompts
@@ -61,10 +61,12 @@ def random_query(rng: random.Random) -> list[int]:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_the_inverted_index_matches_a_scan_of_every_replica(seed):
+@pytest.mark.parametrize("run_min_blocks", [RUN_MIN_BLOCKS, 2])  # 2: runs remembered, forgotten
+def test_the_inverted_index_matches_a_scan_of_every_replica(seed, run_min_blocks):
     rng = random.Random(seed)
     ids = [f"r{i}" for i in range(5)]
-    new, old = PrefixIndex(optimistic_ttl_s=3.0), OldPrefixIndex(optimistic_ttl_s=3.0)
+    new = PrefixIndex(optimistic_ttl_s=3.0, run_min_blocks=run_min_blocks)
+    old = OldPrefixIndex(optimistic_ttl_s=3.0)
     streams = {r: Stream(rng) for r in ids}
     inserts = []
     now = 0.0
@@ -99,6 +101,9 @@ def test_the_inverted_index_matches_a_scan_of_every_replica(seed):
         assert all(new.in_sync(r) == old.in_sync(r) for r in ids)
     every = {h for chain in CHAINS for h in chain}
     assert {h for h in new._holders} <= every | {h for _, q, _ in inserts for h in q}
+    assert set(new._run_root) <= set(new._holders)  # what runs point at stays within the index
+    if run_min_blocks == 2:
+        assert new._runs  # the walk skipped remembered runs
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -164,11 +169,13 @@ class Clock:
 @pytest.mark.parametrize("settings", [RoutingSettings(cold_home_pair_slack=None), RoutingSettings(
     load_override_threshold=2, cold_home_max_excess_load=1, cold_home_blocks=2,
     cold_home_pair_slack=None)])  # the old algorithm's cold home: no pair check
-def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, settings):
+@pytest.mark.parametrize("run_min_blocks", [RUN_MIN_BLOCKS, 2])
+def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, settings, run_min_blocks):
     rng = random.Random(seed)
     ids = [f"replica-{i:03d}" for i in range(rng.choice([1, 2, 7, 40]))]
     clock_new, clock_old = Clock(), Clock()
     new = RouterState(settings, rng=random.Random(seed), clock=clock_new)
+    new.index.run_min_blocks = run_min_blocks
     old = OldRouterState(settings, rng=random.Random(seed), clock=clock_old,
                          weight_fn=rendezvous_weight)
     streams = {r: Stream(rng) for r in ids}

@@ -63,3 +63,27 @@ def test_retain_forgets_dead_replicas():
     assert index.replica_ids == {"r1"}
     assert index.holders(B[0]) == set()
 
+
+
+def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_change(monkeypatch):
+    context = block_hashes(list(range(40 * BS)), BS)  # 40 blocks, held by r1 and r2
+    index = PrefixIndex(run_min_blocks=8)
+    index.observe("r1", snapshot(context), report_time=1.0)
+    index.observe("r2", snapshot(context[:30]), report_time=1.0)
+    query = context + block_hashes(list(range(40 * BS)) + [7] * BS, BS)[40:]
+    assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 30, "r3": 0}
+    assert [length for length, _, _ in index._runs[context[0]]] == [30]
+    looked_up = []
+    holders_get = index._holders.get
+    monkeypatch.setattr(index, "_holders", type("Spy", (dict,), {
+        "get": lambda self, h, d=None: looked_up.append(h) or holders_get(h, d)})(index._holders))
+    assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 30, "r3": 0}
+    assert context[5] not in looked_up and context[30] in looked_up  # the run's blocks skipped
+    monkeypatch.undo()
+    # r2 evicts a block inside the run: the run is forgotten and the match is exact again
+    index.observe("r2", wire_stream(1, [encode_event(0, BlockRemoved([context[12]]))], None), 2.0)
+    assert context[0] not in index._runs
+    assert index.match(query, ["r1", "r2"]) == {"r1": 40, "r2": 12}
+    # r3 is sent the whole prompt: the runs over it change holders, and are remembered anew
+    index.insert("r3", query, now=2.0)
+    assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 12, "r3": 41}
