@@ -79,6 +79,16 @@ def test_auto_dtype_rule(found):
     assert resolve_dtype("float32", config) == torch.float32
 
 
+@pytest.mark.parametrize("level, expected", [("avx512_bf16", torch.bfloat16), ("avx512", torch.float32),
+                                             ("avx2", torch.float32)])
+def test_auto_dtype_per_level_whatever_the_checkpoint(monkeypatch, level, expected):
+    from kernels import cpu_features
+    monkeypatch.setattr(cpu_features, "cpu_level", lambda: level)  # any host: the table's rule
+    for found in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype("auto", SimpleNamespace(dtype=found)) == expected
+        assert resolve_dtype("auto", SimpleNamespace(dtype=found), quantized=True) == torch.float32
+
+
 def test_unsupported_dtype_is_rejected(tiny_model_dir):
     with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
         load_model(tiny_model_dir("llama"), dtype="float64")
