@@ -44,7 +44,8 @@ def family(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(family, mode):
-    llm = LLM(family.path, attention_backend="torch", dtype="float32", **MODES[mode], **ENGINE_ARGS.get(family.name, {}))
+    llm = LLM(family.path, attention_backend="torch", dtype="float32", **MODES[mode],
+              **ENGINE_ARGS.get(family.name, {}))
     prompt_logprobs = 1 if mode == "default" else None
     params = [SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=prompt_logprobs)
               for m in MAX_TOKENS]
