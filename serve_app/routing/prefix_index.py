@@ -170,9 +170,9 @@ class PrefixIndex:
             return PrefixMatch()
         num_blocks = len(block_hashes)
         start = known = 0  # blocks walked; of them, those known to have first_held as holders
-        for length, last, held in self._runs.get(root, ()):
+        for length, last, _held in self._runs.get(root, ()):  # _held: first_held (_forget_runs)
             if known < length <= num_blocks and block_hashes[length - 1] == last:
-                start = known = length  # `held` is first_held: any change forgets the run
+                start = known = length
         rest = islice(block_hashes, start, None) if start else block_hashes
         # Lazily: the walk mostly stops at the first block nobody holds (a query's own blocks).
         held_by = map(self._holders.get, rest, repeat(_EMPTY))

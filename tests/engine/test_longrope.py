@@ -97,7 +97,8 @@ def test_a_sequence_crossing_the_original_context_rotates_with_long_factors_thro
     path, hf_model = phi3
     lens, max_tokens = [40, 56, 63, ORIGINAL], [30, 16, 8, 4]
     prompts = _prompts(lens, hf_model.config.vocab_size, seed=2)
-    llm = LLM(path, attention_backend="torch", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(path, attention_backend="torch", dtype="float32", num_kv_blocks=64,
+              max_num_batched_tokens=32)
     for prompt, output in zip(prompts, _generate(llm, prompts, max_tokens, ignore_eos=True)):
         generated = output.outputs[0].token_ids
         sequence = prompt + generated
@@ -111,7 +112,8 @@ def test_max_model_len_within_the_original_context_uses_short_factors(phi3):
     """The other side: short_factor, as `generate` uses it for every sequence that fits."""
     path, hf_model = phi3
     prompts = _prompts([5, 30, 50], hf_model.config.vocab_size, seed=3)
-    llm = LLM(path, attention_backend="torch", dtype="float32", num_kv_blocks=64, max_model_len=ORIGINAL)
+    llm = LLM(path, attention_backend="torch", dtype="float32", num_kv_blocks=64,
+              max_model_len=ORIGINAL)
     for prompt, output in zip(prompts, _generate(llm, prompts, [ORIGINAL - len(p) for p in prompts])):
         ids = torch.tensor([prompt])
         with torch.no_grad():

@@ -26,7 +26,8 @@ def test_engine_sliding_window_triton_equals_torch(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 17, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    args = dict(max_model_len=128, max_num_batched_tokens=24, num_kv_blocks=32, block_size=8, dtype="float32")
+    args = dict(max_model_len=128, max_num_batched_tokens=24, num_kv_blocks=32, block_size=8,
+                dtype="float32")
     expected = LLM(str(model_dir), attention_backend="torch", **args).generate(prompts, params, use_tqdm=False)
     triton_llm = LLM(str(model_dir), attention_backend="triton", **args)
     assert triton_llm.llm_engine.block_manager.sliding_window == 12
