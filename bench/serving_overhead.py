@@ -63,8 +63,12 @@ def serving_cpu_seconds() -> dict[str, float]:
         try:
             times = child.cpu_times()
             cmdline = child.cmdline()
-            name = cmdline[0].split()[0] if cmdline and cmdline[0].startswith("ray::") \
-                else child.name()
+            if cmdline and cmdline[0].startswith("ray::"):
+                name = cmdline[0].split()[0]
+            elif cmdline[1:2] == ["-m"]:  # an engine core, a tensor-parallel rank
+                name = cmdline[2]
+            else:
+                name = child.name()
         except psutil.Error:  # exited meanwhile
             continue
         by_name[name] = by_name.get(name, 0.0) + times.user + times.system

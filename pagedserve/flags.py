@@ -188,7 +188,9 @@ MEANINGS: dict[str, str] = {
     "output_channels": "Stream outputs over one channel per ingress and engine replica",
     "max_stream_events_per_s": "SSE events per second per ingress; none: measured; 0: no pacing",
     "max_stream_delay_s": "Longest pacing holds back a stream's tokens",
-    "engine_class": "Import path of a custom engine class; none: AsyncEngine",
+    "engine_process": "Each replica's engine steps in a process of its own (no GIL shared with "
+                      "Ray Serve)",
+    "engine_class": "Import path of a custom engine class; none: the engine core",
     "request_router_class": "Import path of a Ray Serve request router; none: prefix affinity",
     "request_router_kwargs": "JSON keyword arguments for the request router",
     "autoscaling_policy": "Import path of an autoscaling policy; none: the queue-depth policy",

@@ -4,51 +4,39 @@ engine.step() runs in a single worker thread (torch releases the GIL), so the ev
 accepting and streaming while the model computes. Only the loop touches the engine's state:
 new requests and aborts are queued and applied between steps.
 
-Two ways to receive a request's outputs: `generate()` (an async iterator; a consumer that fell
-behind gets its pending deltas as one output), or `add_request(..., on_output)`, a callback the
-loop calls with each output (and with the error if the request fails), for a caller that batches
-many requests' outputs itself. With the engine setting `pooling`, `embed()` runs one
-prefill-only pooling request per input through the same scheduler.
+`generate()` and `embed()` come from `EngineClient`, over `add_request(..., on_output)`: a
+callback the loop calls with each output (and with the error if the request fails), for a caller
+that batches many requests' outputs itself. In a serving replica the same loop usually runs in a
+process of its own (`replicas/engine_core.py`), where it competes with no event loop for the GIL.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from replicas.config import EngineConfig
-from replicas.engine import LLMEngine, PromptInput
+from replicas.engine import LLMEngine
+from replicas.engine_client import (MAX_CONSECUTIVE_STEP_FAILURES, EngineClient, EngineDeadError,
+                                    OnOutput)
 from replicas.errors import StepFailed
-from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
-from replicas.pooling import pooling_params
-from replicas.request import Request
-from replicas.sampling_params import ParamError, RequestOutputKind, SamplingParams
+from replicas.request import PromptInput, Request
+from replicas.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OnOutput = Callable[[RequestOutput | BaseException], None]
-# A failed step fails only its own requests; this many failed steps in a row means the engine is
-# broken (not one bad batch), and the loop stops so the replica reports unhealthy and is replaced.
-MAX_CONSECUTIVE_STEP_FAILURES = 2
 
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config)
+        self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
         self.block_size = self.engine.block_size
+        self.vocab_size = self.engine.runner.vocab_size
         self._receivers: dict[str, OnOutput] = {}
         self._pending: list[Request] = []
         self._aborts: list[str] = []
@@ -73,68 +61,11 @@ class AsyncEngine:
         self._ensure_loop()
         self._wakeup.set()
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of the request's `output_kind`. Raises ValueError before the first
-        output for a bad request; leaving the iteration early (or being cancelled) aborts the
-        request and frees its blocks."""
-        params = params or SamplingParams()
-        queue = OutputQueue(aggregate=params.output_kind is RequestOutputKind.DELTA)
-        self.add_request(request_id, prompt, params, queue.put, priority)
-        try:
-            async for output in queue:
-                yield output
-        finally:
-            if not queue.finished:
-                self.abort_nowait(request_id)
-
-    @property
-    def tasks(self) -> tuple[str, ...]:
-        return ("generate", "embed") if self.engine.config.pooling else ("generate",)
-
-    async def embed(self, token_ids: list[list[int]]) -> np.ndarray:
-        """One pooling request per input (prefill only: the scheduler batches them with every
-        other request) -> float32 [len(token_ids), hidden]; ValueError for a bad input."""
-        if self.engine.config.pooling is None:
-            raise ParamError("model", f"the model {self.model_name} does not serve embeddings (the "
-                             "engine setting pooling makes a decoder embed too)")
-        params = pooling_params(self.engine.config.pooling)
-        loop = asyncio.get_running_loop()
-        request_ids = [f"embed-{uuid.uuid4().hex}-{i}" for i in range(len(token_ids))]
-        futures = [loop.create_future() for _ in token_ids]
-
-        def receiver(future: asyncio.Future) -> OnOutput:
-            def on_output(item: RequestOutput | BaseException) -> None:
-                if future.done():
-                    return
-                if isinstance(item, BaseException):
-                    future.set_exception(item)
-                elif item.finished and item.embedding is None:
-                    future.set_exception(EngineDeadError("the embedding request was aborted"))
-                elif item.finished:
-                    future.set_result(item.embedding)
-            return on_output
-
-        try:
-            for request_id, ids, future in zip(request_ids, token_ids, futures):
-                self.add_request(request_id, {"prompt_token_ids": ids}, params, receiver(future))
-            rows = await asyncio.gather(*futures)
-        finally:
-            for request_id, future in zip(request_ids, futures):
-                if not future.done():  # cancelled, or a sibling failed: free its blocks
-                    future.cancel()
-                    self.abort_nowait(request_id)
-        return np.asarray(rows, dtype=np.float32).reshape(len(token_ids), -1)
-
     def abort_nowait(self, request_id: str) -> None:
-        """Stop a request between steps and free its blocks; its receiver hears nothing more."""
         self._receivers.pop(request_id, None)
         self._aborts.append(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
-
-    async def abort(self, request_id: str) -> None:
-        self.abort_nowait(request_id)
 
     def stats(self) -> dict:
         stats = self.engine.stats()

@@ -94,7 +94,7 @@ def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START
     depth = QueueDepth.from_stats(stats)
     out = {QUEUE_DEPTH_METRIC: depth.autoscaling_depth(kv_pressure_start)}
     scheduler = getattr(getattr(async_engine, "engine", None), "scheduler", None)
-    max_num_seqs = getattr(scheduler, "max_num_seqs", None)
+    max_num_seqs = stats.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
     if max_num_seqs:
         out[BATCH_OCCUPANCY_METRIC] = min(1.0, depth.num_running / max_num_seqs)
     return out

@@ -116,16 +116,23 @@ def _replica_id() -> str:
 
 
 class EngineReplica:
-    """One engine per replica. `engine_class` injects another engine (tests, custom engines)."""
+    """One engine per replica. `engine_class` injects another engine (tests, custom engines);
+    by default a decoder's engine steps in a process of its own (`engine_process`, see
+    `replicas/engine_core.py`) unless it spans tensor-parallel ranks, which Ray places with the
+    replica."""
 
     async def __init__(self, engine_config: EngineConfig | dict, engine_class: str | type | None = None,
-                       stall_timeout_s: float = 120.0, probe_interval_s: float = 10.0):
+                       stall_timeout_s: float = 120.0, probe_interval_s: float = 10.0,
+                       engine_process: bool = True):
         config = EngineConfig.model_validate(engine_config)
         if isinstance(engine_class, str):
             engine_class = import_attr(engine_class)
         if engine_class is None and uses_encoder(config.model):  # an embedding model
             from replicas.async_encoder import AsyncEncoderEngine
             engine_class = AsyncEncoderEngine
+        if engine_class is None and engine_process and config.tensor_parallel_size == 1:
+            from replicas.engine_core_client import EngineCoreClient
+            engine_class = EngineCoreClient
         if engine_class is None:
             from replicas.async_engine import AsyncEngine
             engine_class = AsyncEngine
@@ -226,14 +233,12 @@ class EngineReplica:
 
     def model_info(self) -> dict:
         """What the ingress needs to validate and tokenize without loading a model."""
-        inner = getattr(self.engine, "engine", None)
-        runner = getattr(inner, "runner", None)
         tokenizer = self.engine.tokenizer
         return {
             "model_name": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
             "block_size": self.engine.block_size,
-            "vocab_size": getattr(runner, "vocab_size", None) or len(tokenizer),
+            "vocab_size": getattr(self.engine, "vocab_size", None) or len(tokenizer),
             "max_logprobs": self.config.max_logprobs,
             "tasks": list(getattr(self.engine, "tasks", ("generate",))),  # "generate", "embed"
             "tokenizer": pickle.dumps(tokenizer),  # unpickled off the ingress's event loop
@@ -256,10 +261,14 @@ class EngineReplica:
         return {**self.engine.stats(), "replica_id": self.replica_id}
 
     # -- routing and autoscaling signals ------------------------------------------------------
-    def record_routing_stats(self, snapshot: bool = False) -> dict:
+    async def record_routing_stats(self, snapshot: bool = False) -> dict:
         """Ray Serve polls this (about once a second) for the request router: the queue depth and
         the KV-cache events of the last few seconds, with a full snapshot of the cached block
-        hashes when a router may need one to resync. `snapshot=True` (tests, debugging) adds one."""
+        hashes when a router may need one to resync. `snapshot=True` (tests, debugging) adds one.
+        An engine in its own process makes the report there (`routing_report`)."""
+        remote = getattr(self.engine, "routing_report", None)
+        if remote is not None:
+            return {**await remote(force_snapshot=snapshot), "replica_id": self.replica_id}
         reporter = getattr(self, "_routing_reporter", None)
         if reporter is None:  # made on first use: it is this method's state alone
             reporter = self._routing_reporter = cache_digest.RoutingReporter(self.engine)

@@ -17,7 +17,7 @@ from replicas.errors import StepFailed
 from replicas.model_loader import resolve_device, tokenizer_path
 from replicas.model_runner import ModelRunner, RunnerOutput
 from replicas.outputs import RequestOutput
-from replicas.request import Request
+from replicas.request import PromptInput, Request
 from replicas.block_hash import block_hashes
 from replicas.sampling_params import ParamError, SamplingParams
 from replicas.scheduler import Scheduler, SchedulerOutput
@@ -25,8 +25,6 @@ from replicas.sequence import Sequence, SequenceStatus
 from replicas.structured import GrammarCompiler, PendingGrammars, attach_grammar
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | list[int] | dict
 
 
 class LLMEngine:
@@ -226,6 +224,7 @@ class LLMEngine:
         return {
             "num_waiting": self.scheduler.num_waiting + len(self.pending_grammars),
             "num_running": self.scheduler.num_running,
+            "max_num_seqs": self.scheduler.max_num_seqs,
             "num_requests": len(self.requests),
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,

@@ -10,6 +10,10 @@ from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from replicas.sampling_params import RequestOutputKind, SamplingParams
 from replicas.sequence import Sequence
 
+# What a caller may pass as a prompt: text, token ids, or a dict of "prompt" / "prompt_token_ids"
+# (with the router's "block_hashes" where the ingress has them).
+PromptInput = str | list[int] | dict
+
 
 @dataclass
 class Request:

@@ -126,9 +126,12 @@ class ServeSettings(RequestLimits):
     # The longest pacing holds back a stream's tokens.
     max_stream_delay_s: float = Field(DEFAULTS["max_stream_delay_s"], ge=0)
 
+    # Each replica's engine steps in a process of its own (replicas/engine_core.py), where no
+    # event loop competes with it for the GIL; false: in a thread of the replica's process.
+    engine_process: bool = True
     # Seams: import paths ("module:attr") for a custom engine class, request router, and
-    # autoscaling policy function. None: AsyncEngine, serve_app.routing's prefix-affinity router,
-    # serve_app.autoscaling's queue-depth policy.
+    # autoscaling policy function. None: the engine core (or AsyncEngine), serve_app.routing's
+    # prefix-affinity router, serve_app.autoscaling's queue-depth policy.
     engine_class: str | None = None
     request_router_class: str | None = None
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,190 @@
+"""The engine core: one replica's LLMEngine stepping in a process of its own (vLLM V1's EngineCore).
+
+In the replica's own process the step thread shares the GIL with Ray Serve's event loop, and on a
+small model a step is mostly Python between torch calls, so the two ping-pong the GIL: measured,
+that cost the step thread ~60 µs per streamed token, more than the engine itself. Here the loop is
+the only Python thread: it reads what the replica sent (new requests, aborts, calls), steps, and
+sends every output of the step back as one message (`replicas/core_wire.py`), with the engine's
+stats when they are due. The replica's end is `replicas/engine_core_client.py`.
+
+    python -m replicas.engine_core FD   # FD: this end of the socket pair; the config arrives on it
+
+The process ends when its socket closes (the replica is gone) or on `STOP`.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import sys
+import time
+import traceback
+
+from replicas import core_wire as wire
+from replicas.cache_digest import RoutingReporter
+from replicas.config import EngineConfig
+from replicas.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
+from replicas.errors import StepFailed
+
+logger = logging.getLogger(__name__)
+
+# While the engine is busy its stats ride along at most this often (the replica's routing,
+# autoscaling, metrics and stall checks read them about once a second); always when it goes idle.
+STATS_PERIOD_S = 0.05
+_READ_SIZE = 1 << 20
+
+
+class _Socket:
+    """The core's end: blocking sends (the replica always reads), reads that never wait while
+    the engine has work."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.reader = wire.FrameReader()
+
+    def send(self, message: tuple) -> None:
+        self.sock.sendall(wire.frame(message))
+
+    def receive(self, wait: bool) -> list[tuple] | None:
+        """Every whole message that has arrived (waiting for one if `wait`); None once the
+        replica has closed its end."""
+        messages: list[tuple] = []
+        timeout = None if wait else 0.0
+        while select.select([self.sock], [], [], timeout)[0]:
+            try:
+                data = self.sock.recv(_READ_SIZE)
+            except ConnectionError:  # the replica went away mid-message
+                return None
+            if not data:
+                return None
+            messages += self.reader.feed(data)
+            if messages:
+                timeout = 0.0  # drain what else is there, then go
+        return messages
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        from replicas.engine import LLMEngine
+        self.engine = LLMEngine(config)
+        self.last_generation_time: float | None = None
+        self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
+        self._errors: list[tuple[str, BaseException]] = []
+        self._failures = 0
+        self._stats_due = True
+        self._stats_sent_at = 0.0
+
+    def info(self) -> dict:
+        import pickle
+        engine = self.engine
+        return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                "block_size": engine.block_size, "vocab_size": engine.runner.vocab_size,
+                "tokenizer": pickle.dumps(engine.tokenizer), "stats": self.stats()}
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "last_generation_time": self.last_generation_time}
+
+    # -- calls the replica makes -----------------------------------------------------------------
+    def call_routing_report(self, force_snapshot: bool = False) -> dict:
+        return self.routing.report(force_snapshot=force_snapshot)
+
+    def call_stats(self) -> dict:
+        return self.stats()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, conn: _Socket) -> None:
+        engine = self.engine
+        while True:
+            messages = conn.receive(wait=not engine.has_unfinished_requests() and not self._errors)
+            if messages is None:
+                return
+            for message in messages:
+                if message[0] == wire.STOP:
+                    return
+                self._handle(conn, message)
+            outputs = self._step() if engine.has_unfinished_requests() else []
+            self._send_step(conn, outputs)
+
+    def _handle(self, conn: _Socket, message: tuple) -> None:
+        kind = message[0]
+        self._stats_due = True
+        if kind == wire.ADD:
+            _, request_id, prompt, params, priority = message
+            try:
+                self.engine.add(self.engine.make_request(request_id, prompt, params,
+                                                         priority=priority))
+            except ValueError as exc:
+                self._errors.append((request_id, exc))
+        elif kind == wire.ABORT:
+            for request_id in message[1]:
+                self.engine.abort_request(request_id)
+        elif kind == wire.CALL:
+            _, call_id, name, kwargs = message
+            try:
+                reply = (wire.REPLY, call_id, True, getattr(self, f"call_{name}")(**kwargs))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the core goes on
+                reply = (wire.REPLY, call_id, False, wire.portable(exc))
+            conn.send(reply)
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _step(self) -> list:
+        engine = self.engine
+        generated = engine.num_generation_tokens
+        try:
+            outputs = engine.step()
+        except StepFailed as exc:
+            self._failures += 1
+            if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            self._errors += [(request_id, exc) for request_id in exc.request_ids]
+            return []
+        self._failures = 0
+        self._stats_due = True
+        if engine.num_generation_tokens > generated:
+            self.last_generation_time = time.time()
+        self._errors += engine.take_failures()
+        return outputs
+
+    def _send_step(self, conn: _Socket, outputs: list) -> None:
+        now = time.monotonic()
+        stats = None
+        if self._stats_due and (not self.engine.has_unfinished_requests()
+                                or now - self._stats_sent_at >= STATS_PERIOD_S):
+            stats, self._stats_due, self._stats_sent_at = self.stats(), False, now
+        if outputs or self._errors or stats is not None:
+            errors, self._errors = self._errors, []
+            conn.send((wire.STEP, [output.wire() for output in outputs],
+                       [(request_id, wire.portable(exc)) for request_id, exc in errors], stats))
+
+
+def main(fd: int) -> int:
+    logging.basicConfig(level=logging.WARNING)  # quiet, as the replica's own logs are
+    conn = _Socket(socket.socket(fileno=fd))
+    messages: list[tuple] | None = []
+    while messages is not None and not messages:
+        messages = conn.receive(wait=True)
+    if not messages:
+        return 0
+    try:
+        core = EngineCore(EngineConfig.model_validate(messages[0]))
+    except BaseException as exc:  # noqa: BLE001 - the replica reports why it could not start
+        conn.send((wire.FAILED, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return 1
+    conn.send((wire.READY, core.info()))
+    try:
+        core.run(conn)
+    except ConnectionError:  # the replica went away while we sent: nobody is left to tell
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - a bug or a device failure: the replica dies
+        logger.exception("engine core loop died")
+        try:
+            conn.send((wire.DEAD, f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -1,0 +1,115 @@
+"""The engine core in a process of its own (replicas/engine_core.py) behind EngineCoreClient: the
+same outputs as the engine in this process, errors that name their field, aborts that free every
+block, a routing report made where the KV-event log is, and a core that dies failing exactly the
+requests it held."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from replicas import LLM, SamplingParams
+from replicas import core_wire as wire
+from replicas.config import EngineConfig
+from replicas.engine_client import EngineDeadError
+from replicas.engine_core_client import EngineCoreClient
+from replicas.sampling_params import ParamError, RequestOutputKind
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def config(model_dir: str, **overrides) -> EngineConfig:
+    return EngineConfig(model=model_dir, max_model_len=256, dtype="float32", **overrides)
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_frames_split_across_reads_come_out_whole():
+    reader = wire.FrameReader()
+    data = wire.frame((wire.STEP, [1, 2], [], None)) + wire.frame((wire.REPLY, 7, True, {"a": 1}))
+    got = []
+    for i in range(0, len(data), 5):
+        got += reader.feed(data[i:i + 5])
+    assert got == [(wire.STEP, [1, 2], [], None), (wire.REPLY, 7, True, {"a": 1})]
+
+
+def test_an_unpicklable_error_still_crosses_as_its_message():
+    class Local(Exception):
+        pass
+
+    assert isinstance(wire.portable(ParamError("n", "bad")), ParamError)
+    crossed = wire.portable(Local("what went wrong"))
+    assert type(crossed) is RuntimeError and "what went wrong" in str(crossed)
+
+
+def test_the_core_streams_what_the_engine_makes_and_frees_what_it_aborts(tiny_model_dir):
+    model_dir = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=12, n=2, logprobs=1, **GREEDY)
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        try:
+            deltas = [out async for out in client.generate(
+                "hello world", params.clone(output_kind=RequestOutputKind.DELTA), "d")]
+            finals = [out async for out in client.generate(
+                "hello world", params.clone(output_kind=RequestOutputKind.FINAL_ONLY), "f")]
+            with pytest.raises(ParamError, match="maximum context length") as bad:
+                async for _ in client.generate([3] * 300, params, "too-long"):
+                    pass
+            stream = client.generate([5] * 40, params.clone(max_tokens=200), "left")
+            await stream.__anext__()
+            await stream.aclose()  # a client that goes away
+            await wait_until(lambda: client.stats()["num_requests"] == 0)
+            stats = client.stats()
+            report = await client.routing_report(force_snapshot=True)
+            assert client.is_healthy()
+            return deltas, finals, bad.value, stats, report
+        finally:
+            client.shutdown()
+
+    deltas, finals, bad, stats, report = asyncio.run(main())
+    whole = LLM(model_dir, max_model_len=256, dtype="float32").generate(
+        "hello world", params, use_tqdm=False)[0]
+    assert len(finals) == 1 and finals[0].finished
+    assert [c.token_ids for c in finals[0].outputs] == [c.token_ids for c in whole.outputs]
+    for index, want in enumerate(whole.outputs):
+        mine = [c for d in deltas for c in d.outputs if c.index == index]
+        assert [t for c in mine for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in mine) == want.text
+        assert [p for c in mine for p in c.logprobs] == want.logprobs
+    assert bad.param is not None
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["max_num_seqs"] > 0
+    assert report["kv_events"]["snapshot"]["block_hashes"]  # the prompt's full blocks stay cached
+    assert report["num_running"] == 0
+
+
+def test_a_core_that_dies_fails_the_requests_it_held(tiny_model_dir):
+    model_dir = str(tiny_model_dir("llama"))
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        stream = client.generate("hello", SamplingParams(max_tokens=10_000 // 50, **GREEDY), "held")
+        await stream.__anext__()
+        os.kill(client._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in stream:
+                pass
+        assert not client.is_healthy()
+        with pytest.raises(EngineDeadError):
+            client.add_request("next", "hello", None, lambda item: None)
+        client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_core_that_cannot_load_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        EngineCoreClient(EngineConfig(model=str(tmp_path)))
