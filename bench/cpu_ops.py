@@ -1,5 +1,6 @@
 """Native CPU ops other than attention, each against what it replaces, timed in the same run:
-RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, and a whole step's
+RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, the fused rotary + KV
+store vs the torch calls it replaced (64-wide heads, a third of them KV heads), and a whole step's
 projections on the native packed-panel GEMM (AVX2, and AVX-512 where the CPU has it) vs MKL
 (torch's F.linear) vs oneDNN on prepacked weights; with bf16 weights, the native bf16 GEMM's
 tiles vs torch's bf16 F.linear and oneDNN. Part of `python -m bench.kernels --cpu`.
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import max_error, time_interleaved
-from kernels import cpu_features, native, native_linear, norm_act
+from kernels import cpu_features, native, native_linear, norm_act, rotary, torch_attention
 
 
 def run_norm_act(args) -> list[dict]:
@@ -40,6 +41,7 @@ def run_norm_act(args) -> list[dict]:
             "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: native.silu_and_mul(act, gate_up),
                              max_error(act, silu_and_mul(gate_up))),
         }
+        cases["rotary_store_kv"] = _rotary_case(tokens, hidden)
         for op, (torch_fn, native_fn, err) in cases.items():
             t = time_interleaved({"torch": torch_fn, "native": native_fn}, min_time_s=args.min_time)
             name = f"{op} {tokens} tokens"
@@ -49,6 +51,22 @@ def run_norm_act(args) -> list[dict]:
             print(f"{name:38} {t['torch'] * 1e6:10.1f} {t['native'] * 1e6:9.1f} "
                   f"{t['torch'] / t['native']:7.2f} {err:8.1e}", flush=True)
     return rows
+
+
+def _rotary_case(tokens: int, hidden: int, head_dim: int = 64):
+    heads = max(1, hidden // head_dim)
+    kv_heads = max(1, heads // 3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    cos, sin = torch.randn(tokens, 1, head_dim).chunk(2, dim=-1)
+    cache = torch.zeros(2, (tokens + 15) // 16, 16, kv_heads, head_dim)
+    slots = torch.arange(tokens)
+    args = (cos, sin, cache, slots, heads, kv_heads, head_dim)
+    want = rotary.rotary_store_kv_reference(qkv, *args)
+    got = qkv.clone()
+    native.rotary_store_kv(got, *args)
+    err = max_error(rotary.split_qkv(got, heads, kv_heads, head_dim)[0], want)
+    return (lambda: rotary.rotary_store_kv_reference(qkv, *args, store_kv=torch_attention.store_kv),
+            lambda: native.rotary_store_kv(got, *args), err)
 
 
 def run_linear(args) -> list[dict]:

@@ -1,17 +1,25 @@
 """Which attention implementation the engine runs: a setting with an automatic default."""
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 
-from kernels import reference
+from kernels import reference, rotary
 
 
 class AttentionBackend(NamedTuple):
     name: str
     store_kv: Callable
     paged_attention: Callable
+    rotary_store_kv: Callable  # kernels.rotary.rotary_store_kv's signature, over this store_kv
+
+
+def _backend(name: str, store_kv: Callable, paged_attention: Callable,
+             rotary_store_kv: Callable = rotary.rotary_store_kv) -> AttentionBackend:
+    return AttentionBackend(name, store_kv, paged_attention,
+                            partial(rotary_store_kv, store_kv=store_kv))
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
@@ -19,14 +27,12 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "reference":
-        return AttentionBackend("reference", reference.store_kv, reference.paged_attention)
+        return _backend("reference", reference.store_kv, reference.paged_attention,
+                        rotary.rotary_store_kv_reference)
     if name == "torch":
-        try:
-            from kernels import torch_attention
-        except ImportError:  # the fast CPU path is optional until it lands
-            return AttentionBackend("reference", reference.store_kv, reference.paged_attention)
-        return AttentionBackend("torch", torch_attention.store_kv, torch_attention.paged_attention)
+        from kernels import torch_attention
+        return _backend("torch", torch_attention.store_kv, torch_attention.paged_attention)
     if name == "triton":
         from kernels import triton_attention
-        return AttentionBackend("triton", triton_attention.store_kv, triton_attention.paged_attention)
+        return _backend("triton", triton_attention.store_kv, triton_attention.paged_attention)
     raise ValueError(f"unknown attention backend {name!r}: use auto, torch, triton or reference")

@@ -60,6 +60,7 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
     6: (ValueError, "quantized weight layout the kernel cannot run: bits must be 4 or 8 and the "
                     "group size divide k (and be even for 4 bits)"),
     7: (ValueError, "group offsets must start at 0 and never decrease"),
+    8: (ValueError, "a slot_mapping entry is outside the KV cache"),
 }
 _F32 = torch.float32
 
@@ -204,6 +205,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "pagedserve_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32, i32],
         "pagedserve_fused_add_rms_norm": [ptr, ptr, ptr, i64, i64, f32, i32, i32],
         "pagedserve_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
+        "pagedserve_rotary_store_kv": [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                       i64, i32, i32],
         "pagedserve_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
         "pagedserve_linear_panel": [],
         "pagedserve_grouped_linear": [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i32],
@@ -320,6 +323,50 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, dtypes = _norm_rows(x, weight, residual, "residual")
     lib.pagedserve_fused_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), rows,
                                       weight.shape[0], eps, dtypes, torch.get_num_threads())
+
+
+def takes_rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether rotary_store_kv runs these operands (else the caller runs the reference)."""
+    dtype = qkv.dtype
+    return ((dtype is _F32 or dtype is _BF16) and cos.dtype is dtype and sin.dtype is dtype
+            and (kv_cache.dtype is _F32 or kv_cache.dtype is _BF16) and qkv.is_cpu
+            and kv_cache.is_cpu and slot_mapping.dtype is torch.int64 and available())
+
+
+def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                    num_kv_heads: int, head_dim: int, *, level: str | None = None) -> None:
+    """In place: q and k of qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] (rows may be
+    strided) rotated by cos, sin [T, 1 or none, half] (the rotary table's rows for each token:
+    the first 2 * half dims of each head rotate), then k and v stored in kv_cache [2, blocks,
+    block_size, num_kv_heads, head_dim] at slot_mapping (int64 [T]). qkv, cos and sin share one
+    dtype (float32 or bfloat16); the cache is either."""
+    lib = _level_library(level)
+    num_tokens = qkv.shape[0] if qkv.dim() == 2 else -1
+    half = cos.shape[-1]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    cs_stride = cos.stride(0) if cos.dim() else 0
+    if not (takes_rotary_store_kv(qkv, cos, sin, kv_cache, slot_mapping) and num_tokens >= 0
+            and qkv.shape[1] == width and qkv.stride(1) == 1 and kv_cache.is_contiguous()
+            and kv_cache.shape == (2, *kv_cache.shape[1:3], num_kv_heads, head_dim)
+            and 2 * half <= head_dim and cos.shape == sin.shape and cos.shape[0] == num_tokens
+            and cos.numel() == num_tokens * half and cos.stride(-1) == 1 and sin.stride(-1) == 1
+            and sin.stride(0) == cs_stride and slot_mapping.shape == (num_tokens,)
+            and slot_mapping.is_contiguous()):
+        raise ValueError(
+            f"rotary_store_kv takes qkv [T, {width}] (rows of unit stride), cos and sin [T, .., "
+            f"half] of its dtype, kv_cache [2, blocks, block_size, {num_kv_heads}, {head_dim}] "
+            f"(contiguous, float32 or bfloat16) and int64 slot_mapping [T]; got qkv "
+            f"{list(qkv.shape)} {qkv.dtype}, cos {list(cos.shape)} {cos.dtype}, kv_cache "
+            f"{list(kv_cache.shape)} {kv_cache.dtype}, slot_mapping {list(slot_mapping.shape)} "
+            f"{slot_mapping.dtype}")
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    dtypes = (BF16_DATA if qkv.dtype is _BF16 else 0) | (BF16_KV if kv_cache.dtype is _BF16 else 0)
+    _check(lib.pagedserve_rotary_store_kv(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cs_stride,
+        slot_mapping.data_ptr(), kv_cache.data_ptr(), num_slots, num_tokens, num_heads,
+        num_kv_heads, head_dim, half, dtypes, torch.get_num_threads()))
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor, *, level: str | None = None) -> None:

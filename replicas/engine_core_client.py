@@ -53,7 +53,11 @@ class EngineCoreClient(EngineClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock, self._process = _start(config)
         self._finalizer = weakref.finalize(self, _stop, self._sock, self._process, 0.0)
-        info = self._await_ready(start_timeout_s)
+        try:
+            info = self._await_ready(start_timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
         self.block_size = info["block_size"]
@@ -61,6 +65,11 @@ class EngineCoreClient(EngineClient):
         self.tokenizer = pickle.loads(info["tokenizer"])
         self._stats = info["stats"]
         self._sock.setblocking(False)
+        try:  # a replica builds it on its event loop: hear a core that dies while idle
+            asyncio.get_running_loop()
+            self._attach()
+        except RuntimeError:
+            pass  # attached on first use
 
     # -- EngineClient ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
@@ -89,7 +98,7 @@ class EngineCoreClient(EngineClient):
         return await self._call("routing_report", force_snapshot=force_snapshot)
 
     def is_healthy(self) -> bool:
-        return self._error is None
+        return self._error is None and self._process.poll() is None
 
     async def check_health(self) -> None:
         self._check_alive()

@@ -15,6 +15,7 @@ enum {
     PS_UNSUPPORTED = 5,
     PS_BAD_QUANT_LAYOUT = 6,
     PS_BAD_GROUP_OFFSETS = 7,
+    PS_BAD_SLOT = 8,
 };
 
 /* A hint only: compilers without the builtin lose speed, not correctness. */

@@ -10,7 +10,7 @@ from torch import nn
 from kernels.backend import AttentionBackend
 from kernels.metadata import AttentionMetadata
 from replicas.models.layers import Linear, RMSNorm
-from replicas.models.rotary import apply_rotary
+from kernels.rotary import apply_rotary
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import kv_heads_per_rank
 
@@ -81,6 +81,19 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if rotary is not None and self.q_norm is None:  # one call rotates and stores K and V
+            q = self.backend.rotary_store_kv(qkv, *rotary, kv_cache, attn_metadata.slot_mapping,
+                                             self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q = self._rotate_and_store(rotary, qkv, kv_cache, attn_metadata)
+        out = self.backend.paged_attention(q, kv_cache, attn_metadata, self.scale, **self.attention_kwargs)
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.tp.world_size == 1 else self.tp.all_reduce(out)
+
+    def _rotate_and_store(self, rotary, qkv: torch.Tensor, kv_cache: torch.Tensor,
+                          attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q [T, heads, head_dim], with Qwen3's q/k norms before the rotation, or no rotation."""
+        num_tokens = qkv.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim)
         if self.q_norm is not None:
@@ -93,6 +106,4 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         self.backend.store_kv(k, v, kv_cache, attn_metadata.slot_mapping)
-        out = self.backend.paged_attention(q, kv_cache, attn_metadata, self.scale, **self.attention_kwargs)
-        out = self.o_proj(out.reshape(num_tokens, self.q_size))
-        return out if self.tp.world_size == 1 else self.tp.all_reduce(out)
+        return q

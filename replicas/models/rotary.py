@@ -155,13 +155,3 @@ class RotaryEmbedding(torch.nn.Module):
         """positions [num_tokens] -> (cos, sin), each [num_tokens, 1, rotary_dim // 2]."""
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, num_heads, head_dim] -> rotated copy; dims past 2 * cos.shape[-1] pass through."""
-    half = cos.shape[-1]
-    if 2 * half != x.shape[-1]:
-        rotated = apply_rotary(x[..., :2 * half], cos, sin)
-        return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
