@@ -8,8 +8,9 @@ A decision is what the ingress does per request: the shim's work (the old one ob
 digest and retained the live set per request; the current one does that when the set changes),
 `choose`, the first rank, and `routed`/`completed`. A share of the requests are cold (a prefix no
 replica holds), which the rendezvous home decides. The current index leaves the per-hash TTL
-stamps of its optimistic inserts to the next digest of the replica (off the request path); that
-deferred work is timed at the end and reported per request beside the decisions.
+stamps of its optimistic inserts, and the long fresh tails of cold ones (`lazy tails`), to the next
+digest of the replica (off the request path); that deferred work is timed at the end and reported
+per request beside the decisions.
 
     python -m bench.router_decision [--replicas 10,100,1000] [--requests 2000] [--in-flight 48]
 """
@@ -114,8 +115,10 @@ def measure(num_replicas: int, args) -> dict:
             decide(kind, state, clock, live[kind], digests, f"q{i}", hashes)
             times[kind].append(time.thread_time() - began)
     began = time.thread_time()
+    index = states["current"][0].index
     for replica_id in ids:  # what the next digests would do first
-        states["current"][0].index._stamped(replica_id)
+        index._enter_lazy(replica_id)
+        index._stamped(replica_id)
     deferred = (time.thread_time() - began) / len(stream)
     result = {"replicas": num_replicas, "in_flight": num_replicas * args.in_flight,
               "current_deferred_us_per_request": deferred * 1e6}

@@ -18,14 +18,22 @@ So the index remembers such runs: from a chain's first block, the length, the la
 holder set of its leading blocks that all have that one holder set. Since hashes are chained, a
 request whose block at the run's last position equals the run's last hash shares every block
 before it, and skips their lookups. A run is forgotten as soon as any of its blocks changes
-holders (each of them points at its run's first block), so matches stay exact. Pure Python.
+holders (each of them points at its run's first block), so matches stay exact.
+
+A request whose prompt nobody holds yet (a tenant's first 6,000-token context: ~450 fresh
+blocks) cost ~120 µs to enter into that index, the slowest decisions at a thousand replicas. So a
+long fresh tail of an optimistic insert waits as a lazy tail instead: until the replica's next
+digest enters it (off the decision path), a request with the same first block compares its hashes
+with the tail's by position (chained hashes: equal at a position means equal before it, so the
+common length is a binary search). Pure Python.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from itertools import groupby, islice, repeat
+from itertools import groupby, islice, repeat, takewhile
+from operator import itemgetter
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
@@ -35,6 +43,9 @@ DEFAULT_OPTIMISTIC_TTL_S = 10.0
 # costs about what remembering them does.
 RUN_MIN_BLOCKS = 16
 RUNS_PER_ROOT = 4  # prompts that share a first block and a holder set past where they part
+# Fresh blocks of an optimistic insert from which they wait as a lazy tail (see above): a query's
+# own blocks (a 1,200-token question: ~75) enter the index at once, a cold context does not.
+LAZY_MIN_BLOCKS = 128
 _EMPTY: frozenset = frozenset()
 
 
@@ -73,9 +84,10 @@ class _Holders:
 
 class PrefixIndex:
     def __init__(self, optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S,
-                 run_min_blocks: int = RUN_MIN_BLOCKS):
+                 run_min_blocks: int = RUN_MIN_BLOCKS, lazy_min_blocks: int = LAZY_MIN_BLOCKS):
         self.optimistic_ttl_s = optimistic_ttl_s
         self.run_min_blocks = run_min_blocks
+        self.lazy_min_blocks = lazy_min_blocks
         self._mirrors: dict[str, CacheMirror] = {}  # replica -> what its event stream says it holds
         self._optimistic: dict[str, dict[int, float]] = {}  # replica -> hash -> inserted at
         # replica -> (inserted at, hashes) per insert, oldest first: what the TTL expires
@@ -91,6 +103,10 @@ class PrefixIndex:
         # first hash of a chain -> its remembered runs, [(length, last hash, holders)]
         self._runs: dict[int, list[tuple[int, int, frozenset[str]]]] = {}
         self._run_root: dict[int, int] = {}  # hash -> the first hash of the runs covering it
+        # first hash of a chain -> its lazy tails [(replica, hashes, start)]: the replica holds
+        # hashes[start:] optimistically, not yet in `_holders` (it holds hashes[:start] there)
+        self._lazy: dict[int, list[tuple[str, Sequence[int], int]]] = {}
+        self._lazy_of: dict[str, list[tuple[str, Sequence[int], int]]] = {}  # by replica
 
     @property
     def replica_ids(self) -> set[str]:
@@ -110,6 +126,8 @@ class PrefixIndex:
         mirror = self._mirrors.get(replica_id)
         if mirror is None:
             mirror = self._mirrors[replica_id] = CacheMirror(_Holders(self, replica_id))
+        if replica_id in self._lazy_of:  # the events below may name its blocks
+            self._enter_lazy(replica_id)
         if kv_events is not None:
             mirror.apply(kv_events)
         self._report_time[replica_id] = report_time
@@ -129,11 +147,22 @@ class PrefixIndex:
             unstamped = self._unstamped[replica_id] = []
         unstamped.append((now, block_hashes))
         self._inserts[replica_id].append((now, block_hashes))
+        if len(block_hashes) - num_held >= self.lazy_min_blocks:
+            # Blocks others hold enter the index now (their holders change); the rest may wait.
+            fresh = num_held + sum(1 for _ in takewhile(self._holders.__contains__,
+                                                         islice(block_hashes, num_held, None)))
+            if len(block_hashes) - fresh >= self.lazy_min_blocks:
+                self._add(replica_id, block_hashes[num_held:fresh])
+                tail = (replica_id, block_hashes, fresh)
+                self._lazy.setdefault(block_hashes[0], []).append(tail)
+                self._lazy_of.setdefault(replica_id, []).append(tail)
+                return
         self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes)
 
     def remove(self, replica_id: str, block_hashes: Iterable[int], inserted_at: float) -> None:
         """Take back an optimistic insert made at inserted_at (the request went elsewhere); hashes
         inserted again since, for another request, stay."""
+        self._enter_lazy(replica_id)
         optimistic = self._stamped(replica_id)
         if optimistic:
             gone = [h for h in block_hashes if optimistic.get(h) == inserted_at]
@@ -143,6 +172,7 @@ class PrefixIndex:
         """Forget replicas that are gone."""
         live = set(live_replica_ids)
         for replica_id in [r for r in self.replica_ids if r not in live]:
+            self._enter_lazy(replica_id, enter=False)
             held = set(self._confirmed(replica_id)) | set(self._stamped(replica_id) or ())
             self._discard(replica_id, held)
         for table in (self._mirrors, self._optimistic, self._inserts, self._unstamped,
@@ -151,15 +181,25 @@ class PrefixIndex:
                 del table[replica_id]
 
     def holds(self, replica_id: str, block_hash: int) -> bool:
+        self._enter_all_lazy()
         return replica_id in self._holders.get(block_hash, _EMPTY)
 
     def holders(self, block_hash: int) -> set[str]:
+        self._enter_all_lazy()
         return set(self._holders.get(block_hash, _EMPTY))
 
     def prefix_match(self, block_hashes: Sequence[int], live: Set[str]) -> PrefixMatch:
         """The leading blocks of the request each live replica holds; `live` must be a set (or
         dict keys). A chain's blocks mostly share one holder set (see `_add`), so the walk is per
-        run of blocks with the same holders, in C but for the runs, and skips a remembered run."""
+        run of blocks with the same holders, in C but for the runs, and skips a remembered run;
+        the lazy tails of the request's first block are compared by position after it."""
+        found = self._index_match(block_hashes, live)
+        tails = self._lazy.get(block_hashes[0]) if block_hashes and self._lazy else None
+        if tails:
+            found = self._with_tails(found, block_hashes, tails, live)
+        return found
+
+    def _index_match(self, block_hashes: Sequence[int], live: Set[str]) -> PrefixMatch:
         if not block_hashes:
             return PrefixMatch()
         root = block_hashes[0]
@@ -206,9 +246,46 @@ class PrefixIndex:
         return {r: found.get(r) for r in replica_ids}
 
     def num_blocks(self, replica_id: str) -> int:
+        self._enter_all_lazy()
         return len(self._confirmed(replica_id) | set(self._stamped(replica_id) or ()))
 
     # -- internals ------------------------------------------------------------------------------
+    def _with_tails(self, found: PrefixMatch, block_hashes: Sequence[int],
+                    tails: list[tuple[str, Sequence[int], int]], live: Set[str]) -> PrefixMatch:
+        """`found` (the index's match) with what the lazy tails of the request's chain add."""
+        holders, num_blocks = self._holders, len(block_hashes)
+        if len(tails) > 1:  # a tail can only reach past another's start: take them in start order
+            tails = sorted(tails, key=itemgetter(2))
+        for replica_id, tail, start in tails:
+            if replica_id not in live:
+                continue
+            held = found.get(replica_id)
+            if held < start:  # the blocks before the tail are gone from it: the tail is unreached
+                continue
+            common = _common_length(block_hashes, tail)
+            if common <= held:
+                continue
+            while common < num_blocks and replica_id in holders.get(block_hashes[common], _EMPTY):
+                common += 1  # blocks past the tail it holds by the index
+            found.deeper[replica_id] = common
+        return found
+
+    def _enter_lazy(self, replica_id: str, enter: bool = True) -> None:
+        """Enter replica_id's lazy tails into the index (or, for a replica that is gone, drop them)."""
+        for tail in self._lazy_of.pop(replica_id, ()):
+            root = tail[1][0]
+            rest = [t for t in self._lazy[root] if t is not tail]
+            if rest:
+                self._lazy[root] = rest
+            else:
+                del self._lazy[root]
+            if enter:
+                self._add(replica_id, tail[1][tail[2]:])
+
+    def _enter_all_lazy(self) -> None:
+        for replica_id in list(self._lazy_of):
+            self._enter_lazy(replica_id)
+
     def _confirmed(self, replica_id: str) -> set[int] | frozenset:
         mirror = self._mirrors.get(replica_id)
         return mirror.block_hashes if mirror is not None else _EMPTY
@@ -295,3 +372,17 @@ class PrefixIndex:
             optimistic.pop(block_hash, None)
         confirmed = self._confirmed(replica_id)
         self._discard(replica_id, (h for h in gone if h not in confirmed))
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading hashes two chains share: chained hashes agree at a position exactly when
+    they agree at every position before it, so a binary search finds it."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; a[hi] != b[hi] or hi is the end
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+

@@ -11,7 +11,7 @@ from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVS
                                 encode_event, wire_stream)
 from serve_app.routing.load import LoadTracker
 from serve_app.routing.policy import RoutingSettings, rendezvous_weight
-from serve_app.routing.prefix_index import RUN_MIN_BLOCKS, PrefixIndex
+from serve_app.routing.prefix_index import LAZY_MIN_BLOCKS, RUN_MIN_BLOCKS, PrefixIndex
 from serve_app.routing.router_state import RouterState
 
 CHAINS = [[1000 * c + b for b in range(12)] for c in range(6)]  # six 12-block prompts
@@ -62,14 +62,17 @@ def random_query(rng: random.Random) -> list[int]:
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("run_min_blocks", [RUN_MIN_BLOCKS, 2])  # 2: runs remembered, forgotten
-def test_the_inverted_index_matches_a_scan_of_every_replica(seed, run_min_blocks):
+@pytest.mark.parametrize("lazy_min_blocks", [LAZY_MIN_BLOCKS, 1])  # 1: fresh tails wait lazily
+def test_the_inverted_index_matches_a_scan_of_every_replica(seed, run_min_blocks, lazy_min_blocks):
     rng = random.Random(seed)
     ids = [f"r{i}" for i in range(5)]
-    new = PrefixIndex(optimistic_ttl_s=3.0, run_min_blocks=run_min_blocks)
+    new = PrefixIndex(optimistic_ttl_s=3.0, run_min_blocks=run_min_blocks,
+                      lazy_min_blocks=lazy_min_blocks)
     old = OldPrefixIndex(optimistic_ttl_s=3.0)
     streams = {r: Stream(rng) for r in ids}
     inserts = []
     now = 0.0
+    lazy_matches = 0
     for _ in range(300):
         now += rng.random()
         replica_id = rng.choice(ids)
@@ -95,6 +98,7 @@ def test_the_inverted_index_matches_a_scan_of_every_replica(seed, run_min_blocks
         for _ in range(3):
             query = random_query(rng)
             live = rng.sample(ids, rng.randrange(1, 6))
+            lazy_matches += bool(query) and query[0] in new._lazy
             assert new.match(query, live) == old.match(query, live)
         for h in rng.choice(CHAINS)[:4]:
             assert new.holders(h) == old.holders(h)
@@ -102,8 +106,10 @@ def test_the_inverted_index_matches_a_scan_of_every_replica(seed, run_min_blocks
     every = {h for chain in CHAINS for h in chain}
     assert {h for h in new._holders} <= every | {h for _, q, _ in inserts for h in q}
     assert set(new._run_root) <= set(new._holders)  # what runs point at stays within the index
-    if run_min_blocks == 2:
-        assert new._runs  # the walk skipped remembered runs
+    if run_min_blocks == 2 and lazy_min_blocks == LAZY_MIN_BLOCKS:
+        assert new._runs  # the walk skipped remembered runs (lazy tails leave fewer to remember)
+    if lazy_min_blocks == 1:
+        assert lazy_matches  # matches compared a lazy tail by position
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -170,12 +176,15 @@ class Clock:
     load_override_threshold=2, cold_home_max_excess_load=1, cold_home_blocks=2,
     cold_home_pair_slack=None)])  # the old algorithm's cold home: no pair check
 @pytest.mark.parametrize("run_min_blocks", [RUN_MIN_BLOCKS, 2])
-def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, settings, run_min_blocks):
+@pytest.mark.parametrize("lazy_min_blocks", [LAZY_MIN_BLOCKS, 1])
+def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, settings, run_min_blocks,
+                                                                   lazy_min_blocks):
     rng = random.Random(seed)
     ids = [f"replica-{i:03d}" for i in range(rng.choice([1, 2, 7, 40]))]
     clock_new, clock_old = Clock(), Clock()
     new = RouterState(settings, rng=random.Random(seed), clock=clock_new)
     new.index.run_min_blocks = run_min_blocks
+    new.index.lazy_min_blocks = lazy_min_blocks
     old = OldRouterState(settings, rng=random.Random(seed), clock=clock_old,
                          weight_fn=rendezvous_weight)
     streams = {r: Stream(rng) for r in ids}

@@ -87,3 +87,23 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     # r3 is sent the whole prompt: the runs over it change holders, and are remembered anew
     index.insert("r3", query, now=2.0)
     assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 12, "r3": 41}
+
+
+def test_a_cold_prompt_waits_as_a_lazy_tail_matched_by_position_until_the_digest():
+    context = block_hashes(list(range(30 * BS)), BS)  # nobody holds it
+    index = PrefixIndex(lazy_min_blocks=8)
+    index.observe("r1", snapshot(context[:2]), report_time=1.0)
+    index.insert("r2", context, now=1.0)
+    assert not any(h in index._holders for h in context[2:])  # the decision indexed no fresh block
+    assert index._holders[context[0]] == {"r1", "r2"}  # the blocks r1 holds did enter
+    follow_up = context[:20] + block_hashes(list(range(20 * BS)) + [9] * BS, BS)[20:]
+    assert index.match(follow_up, ["r1", "r2", "r3"]) == {"r1": 2, "r2": 20, "r3": 0}
+    assert index.match(context, ["r2"]) == {"r2": 30}
+    index.insert("r1", context, now=1.5, num_held=2)  # r1 held the first two: its tail starts there
+    assert index.match(context, ["r1", "r2"]) == {"r1": 30, "r2": 30}
+    index.observe("r2", None, report_time=2.0)  # r2's digest: its tail enters the index
+    assert all(index._holders[h] >= {"r2"} for h in context) and "r2" not in index._lazy_of
+    assert index.match(follow_up, ["r1", "r2", "r3"]) == {"r1": 20, "r2": 20, "r3": 0}
+    assert "r1" in index._lazy_of
+    index.retain(["r2"])  # r1 is gone, and so is its lazy tail
+    assert not index._lazy and index.match(context, ["r1", "r2"]) == {"r1": 0, "r2": 30}
