@@ -10,7 +10,9 @@ digest and retained the live set per request; the current one does that when the
 replica holds), which the rendezvous home decides. The current index leaves the per-hash TTL
 stamps of its optimistic inserts, and the long fresh tails of cold ones (`lazy tails`), to the next
 digest of the replica (off the request path); that deferred work is timed at the end and reported
-per request beside the decisions.
+per request beside the decisions. Then the current router runs the same requests again alone
+(`current alone`), as an ingress runs it: interleaved, the old algorithm's garbage sets off
+collections that land in the current one's decisions.
 
     python -m bench.router_decision [--replicas 10,100,1000] [--requests 2000] [--in-flight 48]
 """
@@ -127,6 +129,17 @@ def measure(num_replicas: int, args) -> dict:
         result[f"{kind}_us_p99"] = percentile(values, 0.99) * 1e6
     result["speedup_p50"] = result["old_us_p50"] / result["current_us_p50"]
     result["speedup_p99"] = result["old_us_p99"] / result["current_us_p99"]
+    # Alone: the interleaved figures include the collections that the old algorithm's garbage
+    # triggers in this process; an ingress runs only the current router.
+    del states
+    state, clock = make_state("current", ids, digests, args.in_flight, args.seed)
+    alone = []
+    for i, hashes in enumerate(stream):
+        began = time.thread_time()
+        decide("current", state, clock, live["current"], digests, f"q{i}", hashes)
+        alone.append(time.thread_time() - began)
+    result["current_alone_us_p50"] = percentile(alone, 0.5) * 1e6
+    result["current_alone_us_p99"] = percentile(alone, 0.99) * 1e6
     return result
 
 
@@ -154,6 +167,7 @@ def main(argv=None) -> dict:
               f"   current {row['current_us_p50']:6.1f}/{row['current_us_p99']:6.1f} us"
               f"   x{row['speedup_p50']:.1f} / x{row['speedup_p99']:.1f}"
               f"   (+{row['current_deferred_us_per_request']:.1f} us/request at digests)"
+              f"   current alone {row['current_alone_us_p50']:.1f}/{row['current_alone_us_p99']:.1f} us"
               f"   load {row['load_average_1m']:.2f}",
               flush=True)
     path = write_result("router_decision", {"args": vars(args), "rows": rows})

@@ -29,6 +29,7 @@ common length is a binary search). Pure Python.
 """
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -313,7 +314,7 @@ class PrefixIndex:
         single = self._single.get(replica_id)
         if single is None:
             single = self._single[replica_id] = frozenset((replica_id,))
-        if not isinstance(block_hashes, (list, tuple)):
+        if not isinstance(block_hashes, (list, tuple, array)):
             block_hashes = list(block_hashes)
         # One pass over the (large, cache-cold) index: fresh hashes get `single`, the rest say
         # who held them. Mostly all are fresh or this replica's alone, which `count` sees in C.

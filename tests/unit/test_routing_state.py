@@ -157,3 +157,18 @@ def test_events_between_snapshots_drive_affinity_and_a_hole_waits_for_the_next_s
     assert s.index.match(hashes, ["r1"]) == {"r1": 2}
     s.observe("r1", digest(101.0, kv_events=wire_stream(6, [], KVSnapshot(6, hashes[:4]))))
     assert s.index.in_sync("r1") and s.index.match(hashes, ["r1"]) == {"r1": 4}
+
+
+def test_a_requests_hashes_are_kept_where_the_garbage_collector_never_scans_them():
+    import gc
+
+    from serve_app.routing.router_state import kept_hashes
+    hashes = [hash((i, "block")) for i in range(450)]
+    kept = kept_hashes(hashes)
+    assert list(kept) == hashes and not any(isinstance(r, int) for r in gc.get_referents(kept))
+    assert kept_hashes([1 << 70, 2]) == (1 << 70, 2)  # beyond int64: a tuple
+    state = RouterState()
+    state.observe("r1", {"version": DIGEST_VERSION, "time": 1.0, "kv_events": None})
+    state.choose("q1", hashes, ["r1"])
+    assert not any(isinstance(r, int) for r in gc.get_referents(state._unrouted["q1"].block_hashes))
+    assert state.index.match(hashes, ["r1"]) == {"r1": 450}
