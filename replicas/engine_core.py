@@ -88,9 +88,6 @@ class EngineCore:
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
         return self.routing.report(force_snapshot=force_snapshot)
 
-    def call_stats(self) -> dict:
-        return self.stats()
-
     # -- the loop --------------------------------------------------------------------------------
     def run(self, conn: _Socket) -> None:
         engine = self.engine
