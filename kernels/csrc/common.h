@@ -5,6 +5,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "api.h"
+
 /* Returned by every entry point; kernels/native.py turns them into exceptions. */
 enum {
     PS_OK = 0,
