@@ -1,6 +1,6 @@
 """Native CPU kernels: plain C in kernels/csrc, compiled on first use with the system C compiler
-and called through its own Python entry points (csrc/python_entry.c) where this interpreter's
-headers are installed, else through ctypes.
+and called through the library's own Python entry points (csrc/python_entry.c) where this
+interpreter's headers are installed, else through ctypes.
 
 One library per CPU level (kernels/cpu_features.py: "avx512_bf16", "avx512", "avx2", or "native"),
 compiled with that level's flags; the process loads the one for cpu_level(), logged once when it
@@ -256,9 +256,13 @@ def _bind_entries(lib: ctypes.CDLL, path: Path) -> None:
         lib.PyInit_pagedserve_cpu
     except AttributeError:
         return  # built without Python's headers: ctypes it is
-    spec = importlib.util.spec_from_file_location("pagedserve_cpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec = importlib.util.spec_from_file_location("pagedserve_cpu", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        log.warning("%s: its Python entry points do not import (%s): calling through ctypes", path, exc)
+        return
     for name in SIGNATURES:
         if module.SIGNATURES.get(name) != signature_letters(name):
             log.warning("%s: %s's Python entry point takes %r, not %r: calling through ctypes", path,

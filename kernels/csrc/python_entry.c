@@ -57,6 +57,7 @@ static int convert(const char *name, const char *fmt, PyObject *const *args, Py_
 #define PS_ENTRY(kernel, fmt, call)                                                         \
     static PyObject *entry_##kernel(PyObject *self, PyObject *const *args, Py_ssize_t nargs) { \
         (void)self;                                                                         \
+        _Static_assert(sizeof(fmt) - 1 <= PS_MAX_ARGS, #kernel ": more than PS_MAX_ARGS");  \
         ps_arg v[PS_MAX_ARGS];                                                              \
         if (convert(#kernel, fmt, args, nargs, v)) return NULL;                             \
         int status;                                                                         \

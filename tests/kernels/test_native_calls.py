@@ -175,3 +175,13 @@ def test_without_the_headers_the_library_builds_for_ctypes(tmp_path):
             "assert torch.allclose(out, torch.nn.functional.silu(x[:, :8]) * x[:, 8:])\n"
             "print(native.calls())")
     assert _run(code, PAGEDSERVE_CACHE=str(tmp_path / "cache")) == "ctypes"
+
+
+def test_entry_points_that_do_not_import_leave_ctypes(monkeypatch, caplog):
+    def broken(spec):
+        raise ImportError("undefined symbol: PyFake")
+
+    monkeypatch.setattr(importlib.util, "module_from_spec", broken)
+    lib = native._load(native.library_path())
+    assert native.calls(lib) == "ctypes" and "undefined symbol: PyFake" in caplog.text
+    assert lib.pagedserve_linear_panel() == native._library().pagedserve_linear_panel()
