@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, native_attention, quant_linear
+from kernels import native, native_attention, native_linear, quant_linear
 from kernels.quantized import QuantWeight, pack_values
 
 if not native.available():
@@ -185,3 +185,28 @@ def test_entry_points_that_do_not_import_leave_ctypes(monkeypatch, caplog):
     lib = native._load(native.library_path())
     assert native.calls(lib) == "ctypes" and "undefined symbol: PyFake" in caplog.text
     assert lib.pagedserve_linear_panel() == native._library().pagedserve_linear_panel()
+
+
+def test_fp32_and_bf16_gemms_agree(monkeypatch, ctypes_lib):
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(70, 48, generator=gen), torch.randn(9, 48, generator=gen)
+    bias, offsets = torch.randn(70, generator=gen), torch.tensor([0, 4, 4, 9])
+    packed = native_linear.pack_linear_weight(weight)
+    experts = torch.stack([packed, packed * 0.5, -packed])
+    bf16 = native_linear.linear_bf16_panel() > 0
+    packed_bf16 = native_linear.pack_linear_weight_bf16(weight) if bf16 else None
+
+    def run():
+        outs = [native_linear.linear(x, packed, 70, bias), native_linear.grouped_linear(x, experts, offsets, 70)]
+        if bf16:
+            outs += [native_linear.linear_bf16(x.bfloat16(), packed_bf16, 70, bias),
+                     native_linear.linear_bf16(x, packed_bf16, 70, widen=True)]
+        return outs
+
+    fast = run()
+    panel = packed.shape[-1]
+    monkeypatch.setitem(native_linear._library_by_panel, panel, ctypes_lib)
+    slow = _with_library(monkeypatch, ctypes_lib, run)
+    assert native_linear._library_by_panel[panel] is native._library()  # undone
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
