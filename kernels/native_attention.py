@@ -14,6 +14,13 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
                          f"got {t.dtype} {list(t.shape)} on {t.device}")
 
 
+def rows_contiguous(query: torch.Tensor) -> bool:
+    """Whether each row [num_heads, head_dim] of a 3-D query is contiguous (rows may be strided):
+    query[0].is_contiguous() without making the view, which costs ~4x these stride reads."""
+    _, num_heads, head_dim = query.shape
+    return (head_dim == 1 or query.stride(2) == 1) and (num_heads == 1 or query.stride(1) == head_dim)
+
+
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float, *,
@@ -46,7 +53,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
                          f"{num_kv_heads} x {cache_head_dim}")
     if out.shape != query.shape:
         raise ValueError(f"out {list(out.shape)} must have query's shape {list(query.shape)}")
-    if num_tokens and not query[0].is_contiguous():
+    if num_tokens and not rows_contiguous(query):
         raise ValueError("each query row [num_heads, head_dim] must be contiguous")
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     width = block_tables.shape[-1] if block_tables.dim() else -1

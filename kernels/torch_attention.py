@@ -62,7 +62,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     starts = metadata.query_start_loc_cpu
     decodes = [b for b, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
     if decodes and use_native and _native_decode(query, kv_cache):
-        if not query[0].is_contiguous():  # strided rows are fine, strided heads are not
+        if not native_attention.rows_contiguous(query):  # strided rows are fine, strided heads are not
             query = query.contiguous()
         # One call for the whole batch: the kernel skips the prefills, written below.
         native_attention.paged_decode_attention(

@@ -96,9 +96,12 @@ def test_torch_attention_without_native(monkeypatch, restore_available):
                  expected, torch.float32)
 
 
-@pytest.mark.parametrize("num_seqs", [2, 5, 40])  # per-KV-head and per-sequence tasks
-def test_threads_agree(num_seqs):
-    case = Case([(1, 1 + 37 * i % 500) for i in range(num_seqs)], num_heads=9, num_kv_heads=3)
+# Per-KV-head tasks (few sequences) and per-sequence ones give the 1-thread result bit for bit.
+@pytest.mark.parametrize("num_seqs", [1, 2, 5, 40])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)], ids=str)
+def test_threads_agree(num_seqs, heads):
+    case = Case([(1, 1 + 37 * i % 500) for i in range(num_seqs)], num_heads=heads[0],
+                num_kv_heads=heads[1])
     cache = case.stored_cache(reference.store_kv)
     torch.set_num_threads(1)  # the autouse fixture restores the thread count
     one = run_native(case, cache)
@@ -321,3 +324,18 @@ def test_windowed_decode_checks_only_the_window():
     with pytest.raises(ValueError, match="block table entry"):
         native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
                                                 m.query_start_loc, case.scale, sliding_window=20)
+
+
+def test_rows_contiguous_is_the_first_rows_contiguity():
+    base = torch.randn(3, 4 * 8 + 16)
+    layouts = {
+        "contiguous": torch.randn(3, 4, 8),
+        "rows of a fused qkv": base[:, :32].view(3, 4, 8),
+        "heads transposed": torch.randn(3, 8, 4).transpose(1, 2),
+        "head_dim sliced": torch.randn(3, 4, 16)[:, :, :8],
+        "every other dim": torch.randn(3, 4, 16)[:, :, ::2],
+        "one head, strided": torch.randn(3, 2, 8)[:, :1],
+        "head_dim 1, strided heads": torch.randn(3, 4, 2)[:, :, :1],
+    }
+    for name, query in layouts.items():
+        assert native_attention.rows_contiguous(query) == query[0].is_contiguous(), name

@@ -196,17 +196,20 @@ def test_fp32_and_bf16_gemms_agree(monkeypatch, ctypes_lib):
     bf16 = native_linear.linear_bf16_panel() > 0
     packed_bf16 = native_linear.pack_linear_weight_bf16(weight) if bf16 else None
 
-    def run():
-        outs = [native_linear.linear(x, packed, 70, bias), native_linear.grouped_linear(x, experts, offsets, 70)]
-        if bf16:
-            outs += [native_linear.linear_bf16(x.bfloat16(), packed_bf16, 70, bias),
-                     native_linear.linear_bf16(x, packed_bf16, 70, widen=True)]
-        return outs
+    def run(lib):
+        # The fp32 GEMMs find their library by panel width, the bf16 one is the loaded library's.
+        monkeypatch.setitem(native_linear._library_by_panel, packed.shape[-1], lib)
+        monkeypatch.setattr(native, "_lib", lib)
+        try:
+            outs = [native_linear.linear(x, packed, 70, bias),
+                    native_linear.grouped_linear(x, experts, offsets, 70)]
+            if bf16:
+                outs += [native_linear.linear_bf16(x.bfloat16(), packed_bf16, 70, bias),
+                         native_linear.linear_bf16(x, packed_bf16, 70, widen=True)]
+            return outs
+        finally:
+            monkeypatch.undo()
 
-    fast = run()
-    panel = packed.shape[-1]
-    monkeypatch.setitem(native_linear._library_by_panel, panel, ctypes_lib)
-    slow = _with_library(monkeypatch, ctypes_lib, run)
-    assert native_linear._library_by_panel[panel] is native._library()  # undone
-    for a, b in zip(fast, slow):
+    assert native.calls() == "python"
+    for a, b in zip(run(native._library()), run(ctypes_lib)):
         assert torch.equal(a, b)
