@@ -45,5 +45,10 @@ int pagedserve_quant_linear_i8(float *out, const float *x, int64_t x_stride, con
                                int64_t group_size, int64_t rows, int64_t n, int64_t k,
                                int num_threads);
 int pagedserve_quant_linear_i8_panel(void);
+int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
+                              const int64_t *kv_caches, const int64_t *step, const void *cos,
+                              const void *sin, const int64_t *slots, const int32_t *block_tables,
+                              const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
+                              float scale, int first, int num_threads);
 
 #endif

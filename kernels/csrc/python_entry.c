@@ -116,6 +116,11 @@ PS_ENTRY(pagedserve_quant_linear, FMT_QUANT_LINEAR,
 PS_ENTRY(pagedserve_quant_linear_i8, FMT_QUANT_LINEAR_I8,
          pagedserve_quant_linear_i8(v[0].p, v[1].p, v[2].i, v[3].p, v[4].p, (int)v[5].i, v[6].p,
                                     (int)v[7].i, v[8].i, v[9].i, v[10].i, v[11].i, (int)v[12].i))
+#define FMT_DECODER_LAYERS "ppppppppppppffii"
+PS_ENTRY(pagedserve_decoder_layers, FMT_DECODER_LAYERS,
+         pagedserve_decoder_layers(v[0].p, v[1].p, v[2].p, v[3].p, v[4].p, v[5].p, v[6].p, v[7].p,
+                                   v[8].p, v[9].p, v[10].p, v[11].p, (float)v[12].f, (float)v[13].f,
+                                   (int)v[14].i, (int)v[15].i))
 PS_PANEL_ENTRY(pagedserve_linear_panel)
 PS_PANEL_ENTRY(pagedserve_linear_bf16_panel)
 PS_PANEL_ENTRY(pagedserve_quant_linear_panel)
@@ -130,6 +135,7 @@ static PyMethodDef methods[] = {
     PS_METHOD(pagedserve_quant_linear) PS_METHOD(pagedserve_quant_linear_i8)
     PS_METHOD(pagedserve_linear_panel) PS_METHOD(pagedserve_linear_bf16_panel)
     PS_METHOD(pagedserve_quant_linear_panel) PS_METHOD(pagedserve_quant_linear_i8_panel)
+    PS_METHOD(pagedserve_decoder_layers)
     {NULL, NULL, 0, NULL},
 };
 
@@ -140,14 +146,15 @@ PyMODINIT_FUNC PyInit_pagedserve_cpu(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *signatures = Py_BuildValue(
-        "{ssssssssssssssssssssssssssss}",
+        "{ssssssssssssssssssssssssssssss}",
         "pagedserve_paged_decode_attention", FMT_ATTENTION, "pagedserve_rms_norm", FMT_RMS_NORM,
         "pagedserve_fused_add_rms_norm", FMT_RMS_NORM, "pagedserve_silu_and_mul", FMT_SILU_AND_MUL,
         "pagedserve_rotary_store_kv", FMT_ROTARY_STORE_KV, "pagedserve_linear", FMT_LINEAR,
         "pagedserve_grouped_linear", FMT_LINEAR, "pagedserve_linear_bf16", FMT_LINEAR_BF16,
         "pagedserve_quant_linear", FMT_QUANT_LINEAR, "pagedserve_quant_linear_i8", FMT_QUANT_LINEAR_I8,
         "pagedserve_linear_panel", "", "pagedserve_linear_bf16_panel", "",
-        "pagedserve_quant_linear_panel", "", "pagedserve_quant_linear_i8_panel", "");
+        "pagedserve_quant_linear_panel", "", "pagedserve_quant_linear_i8_panel", "",
+        "pagedserve_decoder_layers", FMT_DECODER_LAYERS);
     if (!signatures || PyModule_AddObject(m, "SIGNATURES", signatures)) {
         Py_XDECREF(signatures);
         Py_DECREF(m);

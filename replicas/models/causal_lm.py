@@ -110,6 +110,9 @@ class CausalLM(nn.Module):
         for module in self.modules():  # modules that run their projections' packings together
             if hasattr(module, "combine_packed"):
                 module.combine_packed()
+        for module in self.modules():  # modules that plan their forward on the packed weights
+            if hasattr(module, "after_packing"):
+                module.after_packing()
         if self.tie_word_embeddings:  # the embedding keeps its rows for lookups
             quantized = self.lm_head.quantized
             self.tied_lm_head_quantized = quantized is not None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import norm_act
 from kernels.backend import AttentionBackend
+from kernels.decoder_layers import DecoderStack, LayerWeights, Projection
 from replicas.models.attention import Attention
 from replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
 from replicas.models.layers import Linear, RMSNorm
@@ -62,13 +64,58 @@ class LlamaModel(nn.Module):
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.dtype = dtype
+        self.decoder_stack: DecoderStack | None = None  # set by after_packing where it applies
+
+    def after_packing(self) -> None:
+        """Decode steps go through every layer in one native call where the layers qualify
+        (kernels/decoder_layers.py): the same kernels, without the Python between them."""
+        weights = [_layer_weights(layer) for layer in self.layers]
+        if not weights or None in weights:
+            return
+        attn, eps = self.layers[0].self_attn, self.layers[0].input_layernorm.eps
+        if any(layer.self_attn.scale != attn.scale or layer.input_layernorm.eps != eps
+               for layer in self.layers):
+            return
+        self.decoder_stack = DecoderStack.build(
+            weights, dtype=self.dtype, hidden_size=self.norm.weight.shape[0], num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate_size=self.layers[0].mlp.intermediate_size, eps=eps, scale=attn.scale)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb(positions)  # gathered once, shared by every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(rotary, hidden, residual, kv_cache, attn_metadata)
+        done = self.decoder_stack is not None and self.decoder_stack.run(hidden, *rotary, kv_caches,
+                                                                         attn_metadata)
+        if done:
+            hidden, residual = done
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(rotary, hidden, residual, kv_cache, attn_metadata)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+
+def _projection(linear: Linear) -> Projection | None:
+    packed = linear.packed_quant
+    return Projection(packed[0], linear.bias) if packed is not None and len(packed) == 1 else None
+
+
+def _layer_weights(layer: nn.Module) -> LayerWeights | None:
+    """A layer's weights for DecoderStack, None where its forward is not the stack's: another
+    layer, attention or MLP class, q/k norms, a window or soft cap, tensor parallelism, another
+    activation, a projection not quantized whole."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not (type(layer) is LlamaDecoderLayer and type(attn) is Attention and type(mlp) is GatedMLP
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and layer.post_attention_layernorm.eps == layer.input_layernorm.eps
+            and attn.q_norm is None and not attn.attention_kwargs and attn.backend.name == "torch"
+            and attn.tp.world_size == 1 and mlp.tp.world_size == 1
+            and mlp.act_and_mul is norm_act.silu_and_mul):
+        return None
+    projections = [_projection(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if None in projections:
+        return None
+    return LayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *projections)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,0 +1,104 @@
+/* A decode step through a whole stack of Llama-style decoder layers in one call: for each layer,
+ * the same kernels with the same arguments, in the same order, as the model's Python forward
+ * (replicas/models/llama.py) makes them one call at a time, so the results are bit for bit that
+ * forward's; kernels/decoder_layers.py says when a model and a step qualify.
+ *
+ * Why: at batch 1 the model's Python between kernels (module calls, argument checks, result
+ * tensors) cost ~40 % of the default model's decode step (~110 us a layer, measured on Zen 5),
+ * against ~9 kernel calls a layer that are each a few microseconds of work.
+ *
+ * Per layer, with hidden [T, H] and residual [T, H] carried in place (T decode tokens):
+ *   residual += hidden; hidden = rms_norm(residual) * input_norm      (layer 0 of a step whose
+ *                                                                      residual is unset: residual
+ *                                                                      = hidden, then the norm)
+ *   qkv = hidden . Wqkv^T (+ b)            quantized weight-only GEMM (csrc/gemm_q.c)
+ *   rotate q, k in qkv; store k, v          csrc/rotary_kv.c
+ *   attn = decode attention of q            csrc/paged_attention.c
+ *   hidden = attn . Wo^T (+ b)
+ *   residual += hidden; hidden = rms_norm(residual) * post_norm
+ *   gate_up = hidden . Wgu^T (+ b); act = silu(gate) * up; hidden = act . Wdown^T (+ b)
+ * The caller applies the final norm. */
+#include <string.h>
+
+#include "common.h"
+
+/* One projection's fields in a layer's row of `layers` (int64 each). */
+enum { DP_Q, DP_SO, DP_BIAS, DP_DTYPES, DP_BITS, DP_GROUP, DP_FIELDS };
+enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN, PROJ_COUNT };
+/* A layer's row: its two norm weights, then its projections. */
+enum { DL_INPUT_NORM, DL_POST_NORM, DL_PROJ, DL_FIELDS = DL_PROJ + PROJ_COUNT * DP_FIELDS };
+/* The step's shape (`step`, int64 each). */
+enum {
+    DS_LAYERS, DS_TOKENS, DS_SEQS, DS_TABLE_WIDTH, DS_HIDDEN, DS_HEADS, DS_KV_HEADS, DS_HEAD_DIM,
+    DS_ROTARY_HALF, DS_CS_STRIDE, DS_INTER, DS_NUM_BLOCKS, DS_BLOCK_SIZE, DS_NORM_DTYPES,
+    DS_DATA_DTYPES, DS_FIELDS
+};
+
+static int project(const int64_t *layer, int proj, void *out, const void *x, int64_t rows, int64_t n,
+                   int64_t k, int num_threads) {
+    const int64_t *p = layer + DL_PROJ + proj * DP_FIELDS;
+    return pagedserve_quant_linear(out, x, k, NULL, (const uint8_t *)(intptr_t)p[DP_Q],
+                                   (const void *)(intptr_t)p[DP_SO], (const void *)(intptr_t)p[DP_BIAS],
+                                   (int)p[DP_DTYPES], (int)p[DP_BITS], p[DP_GROUP], rows, n, k,
+                                   num_threads);
+}
+
+#define PS_TRY(call)                          \
+    do {                                      \
+        int status_ = (call);                 \
+        if (status_ != PS_OK) return status_; \
+    } while (0)
+
+/* hidden, residual: [T, H] in the data dtype (fp32, or bf16 where DS_DATA_DTYPES has
+ * PS_BF16_DATA); scratch: T * (qkv width + heads * head_dim + 3 * inter) elements of it;
+ * layers: [layers, DL_FIELDS]; kv_caches: [layers] pointers to [2, num_blocks, block_size,
+ * kv_heads, head_dim] caches (PS_BF16_KV: bf16); cos, sin: the step's rotary rows (cs_stride
+ * apart); slots: int64 [T]; block_tables, seq_lens, query_start_loc as the attention kernel's, every
+ * sequence a decode. first: residual holds nothing yet (the first layer's norm is the plain one).
+ * Returns the first kernel status that is not PS_OK. */
+int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
+                              const int64_t *kv_caches, const int64_t *step, const void *cos,
+                              const void *sin, const int64_t *slots, const int32_t *block_tables,
+                              const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
+                              float scale, int first, int num_threads) {
+    int64_t tokens = step[DS_TOKENS], h = step[DS_HIDDEN], heads = step[DS_HEADS];
+    int64_t kv_heads = step[DS_KV_HEADS], head_dim = step[DS_HEAD_DIM], inter = step[DS_INTER];
+    int64_t q_size = heads * head_dim, qkv_n = (heads + 2 * kv_heads) * head_dim;
+    int64_t num_blocks = step[DS_NUM_BLOCKS], block_size = step[DS_BLOCK_SIZE];
+    int norm_dtypes = (int)step[DS_NORM_DTYPES], data_dtypes = (int)step[DS_DATA_DTYPES];
+    int64_t elem = data_dtypes & PS_BF16_DATA ? 2 : 4;
+    char *qkv = scratch, *attn = qkv + tokens * qkv_n * elem, *gate_up = attn + tokens * q_size * elem;
+    char *act = gate_up + tokens * 2 * inter * elem;
+    if (tokens == 0) return PS_OK;
+    for (int64_t l = 0; l < step[DS_LAYERS]; l++) {
+        const int64_t *layer = layers + l * DL_FIELDS;
+        const void *input_norm = (const void *)(intptr_t)layer[DL_INPUT_NORM];
+        const void *post_norm = (const void *)(intptr_t)layer[DL_POST_NORM];
+        void *kv_cache = (void *)(intptr_t)kv_caches[l];
+        if (l == 0 && first) {
+            memcpy(residual, hidden, (size_t)(tokens * h * elem));
+            PS_TRY(pagedserve_rms_norm(hidden, residual, input_norm, tokens, h, eps, norm_dtypes,
+                                       num_threads));
+        } else {
+            PS_TRY(pagedserve_fused_add_rms_norm(hidden, residual, input_norm, tokens, h, eps,
+                                                 norm_dtypes, num_threads));
+        }
+        PS_TRY(project(layer, PROJ_QKV, qkv, hidden, tokens, qkv_n, h, num_threads));
+        PS_TRY(pagedserve_rotary_store_kv(qkv, qkv_n, cos, sin, step[DS_CS_STRIDE], slots, kv_cache,
+                                          num_blocks * block_size, tokens, heads, kv_heads, head_dim,
+                                          step[DS_ROTARY_HALF], data_dtypes, num_threads));
+        PS_TRY(pagedserve_paged_decode_attention(attn, qkv, qkv_n, kv_cache, num_blocks, block_size,
+                                                 block_tables, step[DS_TABLE_WIDTH], seq_lens,
+                                                 query_start_loc, step[DS_SEQS], tokens, heads,
+                                                 kv_heads, head_dim, scale, 0, 0.0f, data_dtypes,
+                                                 num_threads));
+        PS_TRY(project(layer, PROJ_O, hidden, attn, tokens, h, q_size, num_threads));
+        PS_TRY(pagedserve_fused_add_rms_norm(hidden, residual, post_norm, tokens, h, eps, norm_dtypes,
+                                             num_threads));
+        PS_TRY(project(layer, PROJ_GATE_UP, gate_up, hidden, tokens, 2 * inter, h, num_threads));
+        PS_TRY(pagedserve_silu_and_mul(act, gate_up, tokens, inter, data_dtypes & PS_BF16_DATA,
+                                       num_threads));
+        PS_TRY(project(layer, PROJ_DOWN, hidden, act, tokens, h, inter, num_threads));
+    }
+    return PS_OK;
+}

@@ -1,0 +1,142 @@
+"""Decode steps through every layer in one native call (kernels/decoder_layers.py): bit for bit the
+layer loop's hidden states and KV cache writes, for the quantized models it takes, and the layer
+loop kept for everything else."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import decoder_layers, native
+from kernels.metadata import AttentionMetadata
+from replicas import LLM, SamplingParams
+from replicas.model_loader import load_model
+from tests import quant_checkpoints as qc
+from tests.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the native CPU kernels")
+
+BLOCK_SIZE = 4
+PROMPT_LENS = [5, 9, 16]  # the last decodes into a fresh block at once
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    common = dict(hidden_size=256, num_heads=4, num_kv_heads=2)
+    llama = build_tiny_model(root / "llama", "llama", seed=21, **common)
+    qwen2 = build_tiny_model(root / "qwen2", "qwen2", seed=22, tie_word_embeddings=True, **common)
+    out = {"dense": llama}
+    out["gguf-q4_1"] = qc.write_gguf(llama, root / "q4_1.gguf", weight_type="Q4_1",
+                                     embedding_type="Q8_0")[0]
+    out["gguf-q8_0"] = qc.write_gguf(llama, root / "q8_0.gguf", weight_type="Q8_0")[0]
+    for name, source, options in (("gptq-qwen2-biases", qwen2, dict(bits=4, group_size=32)),
+                                  ("gptq-act-order", llama, dict(bits=4, group_size=64, desc_act=True))):
+        qc.write_gptq(source, root / name, **options)
+        out[name] = root / name
+    return out
+
+
+def _steps(model, dtype, kv_dtype, steps: int = 3):
+    """Prefills PROMPT_LENS through the layer loop, then decodes `steps` tokens each; yields each
+    decode step's operands (on the caches as they are before it)."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 32
+    caches = [torch.zeros(model.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=kv_dtype)
+              for _ in range(model.num_layers)]
+    blocks = list(range(num_blocks))
+    random.Random(0).shuffle(blocks)
+    tables = [blocks[i * 8:(i + 1) * 8] for i in range(len(PROMPT_LENS))]
+    vocab = model.vocab_size
+    ids = torch.randint(3, vocab, (sum(PROMPT_LENS),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in PROMPT_LENS])
+    prefill = AttentionMetadata.build(PROMPT_LENS, PROMPT_LENS, tables, BLOCK_SIZE)
+    assert model(ids, positions, caches, prefill).dtype == dtype
+    lens = list(PROMPT_LENS)
+    for _ in range(steps):
+        lens = [n + 1 for n in lens]
+        metadata = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK_SIZE)
+        ids = torch.randint(3, vocab, (len(lens),), generator=gen)
+        yield ids, torch.tensor([n - 1 for n in lens]), caches, metadata
+
+
+def _forward_both_ways(model, ids, positions, caches, metadata):
+    stack = model.model.decoder_stack
+    looped = [c.clone() for c in caches]
+    model.model.decoder_stack = None
+    try:
+        expected = model(ids, positions, looped, metadata)
+    finally:
+        model.model.decoder_stack = stack
+    return model(ids, positions, caches, metadata), expected, looped
+
+
+@pytest.mark.parametrize("name", ["gguf-q4_1", "gguf-q8_0", "gptq-qwen2-biases"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
+                                            (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_a_decode_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtype, kv_dtype, monkeypatch):
+    model = load_model(checkpoints[name], dtype=dtype)[0]
+    stack = model.model.decoder_stack
+    assert stack is not None
+    ran = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: ran.append(run(*a)) or ran[-1])
+    for ids, positions, caches, metadata in _steps(model, dtype, kv_dtype):
+        got, expected, looped = _forward_both_ways(model, ids, positions, caches, metadata)
+        assert torch.equal(got, expected)
+        for a, b in zip(caches, looped):
+            assert torch.equal(a, b)
+    assert ran[0] is None  # the prefill took the layer loop
+    assert all(r is not None for r in ran[1:]) and len(ran) == 4
+
+
+@pytest.mark.parametrize("name", ["dense", "gptq-act-order"])
+def test_models_it_does_not_take_keep_the_layer_loop(checkpoints, name):
+    model = load_model(checkpoints[name], dtype="float32")[0]
+    assert model.model.decoder_stack is None
+
+
+def test_the_setting_turns_it_off(checkpoints, monkeypatch):
+    monkeypatch.setenv(decoder_layers.ENV, "0")
+    assert load_model(checkpoints["gguf-q4_1"], dtype="float32")[0].model.decoder_stack is None
+
+
+def test_operands_it_does_not_take_are_left_to_the_layer_loop(checkpoints):
+    model = load_model(checkpoints["gguf-q4_1"], dtype="float32")[0]
+    stack = model.model.decoder_stack
+    ids, positions, caches, metadata = next(_steps(model, torch.float32, torch.float32))
+    hidden = model.model.embed_tokens(ids)
+    cos, sin = model.model.rotary_emb(positions)
+    assert stack.run(hidden.bfloat16(), cos, sin, caches, metadata) is None  # another dtype
+    assert stack.run(hidden, cos, sin, caches[:-1], metadata) is None  # a cache short
+    assert stack.run(hidden, cos, sin, [c.bfloat16() for c in caches[:1]] + caches[1:], metadata) is None
+    assert stack.run(hidden[:2], cos[:2], sin[:2], caches, metadata) is None  # rows != sequences
+
+
+def test_a_bad_block_table_is_an_error_not_a_stray_read(checkpoints):
+    model = load_model(checkpoints["gguf-q4_1"], dtype="float32")[0]
+    ids, positions, caches, metadata = next(_steps(model, torch.float32, torch.float32))
+    metadata.block_tables[1, 0] = 10_000
+    with pytest.raises(ValueError, match="block table entry"):
+        model(ids, positions, caches, metadata)
+    metadata.block_tables[1, 0] = 0
+    metadata.slot_mapping[0] = 10_000_000
+    with pytest.raises(ValueError, match="slot_mapping"):
+        model(ids, positions, caches, metadata)
+
+
+def test_the_engine_generates_the_same_with_and_without_it(checkpoints, monkeypatch):
+    """Batched decodes, preemption (a small cache) and logprobs through LLM, both ways."""
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(n)]} for n in (3, 11, 20, 7)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=2)
+    results = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv(decoder_layers.ENV, setting)
+        llm = LLM(str(checkpoints["gguf-q4_1"]), num_kv_blocks=8, block_size=8, dtype="float32")
+        assert (llm.llm_engine.runner.model.model.decoder_stack is not None) == (setting == "1")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
