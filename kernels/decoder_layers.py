@@ -4,11 +4,11 @@
 between them, ~40 % of a batch-1 decode step of the default model (module calls, per-kernel
 argument checks, result tensors: ~110 us a layer on Zen 5).
 
-It takes layers whose projections are all weight-only quantized panels of the loaded library
-(GGUF, GPTQ without act-order, AWQ, compressed-tensors: the kind of model whose decode is cheap
-enough for that Python to show), fp32 or bf16 activations, RMSNorms, rotary attention without a
-window or soft cap, and a SiLU gated MLP; steps where every sequence decodes. DecoderStack.build
-returns None for anything else, and the caller keeps its layer loop.
+It takes layers whose projections are all packed for the native GEMMs (weight-only quantized
+panels: GGUF, GPTQ without act-order, AWQ, compressed-tensors; fp32 or bf16 panels), fp32 or bf16
+activations, RMSNorms, rotary attention without a window or soft cap, and a SiLU gated MLP; steps
+where every sequence decodes. DecoderStack.build returns None for anything else (oneDNN-packed
+or unpacked weights among them), and the caller keeps its layer loop.
 
 PAGEDSERVE_FUSED_DECODE=0 keeps the layer loop (comparisons, benchmarks).
 """
@@ -20,14 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import native
+from kernels import native, native_linear
+from kernels.cpu_linear import PackedWeight
 from kernels.metadata import AttentionMetadata
 from kernels.quant_linear import _BF16_BIAS, _BF16_OUT, _BF16_X, PackedQuant
 
 ENV = "PAGEDSERVE_FUSED_DECODE"
 
 # csrc/decoder_layers.c's row layouts, field for field.
-_PROJ_FIELDS = 6  # q, so, bias, dtypes, bits, group size
+_PROJ_FIELDS = 7  # kind, weight (or q), so, bias, dtypes, bits, group size
+_QUANT, _FP32, _BF16 = range(3)  # the kinds: csrc/gemm_q.c, csrc/gemm.c, csrc/gemm_bf16.c
 _LAYER_FIELDS = 2 + 4 * _PROJ_FIELDS  # input norm, post norm, then qkv, o, gate_up, down
 (_LAYERS, _TOKENS, _SEQS, _TABLE_WIDTH, _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _ROTARY_HALF,
  _CS_STRIDE, _INTER, _NUM_BLOCKS, _BLOCK_SIZE, _NORM_DTYPES, _DATA_DTYPES, _STEP_FIELDS) = range(16)
@@ -39,7 +41,7 @@ def enabled() -> bool:
 
 
 class Projection(NamedTuple):
-    packed: PackedQuant
+    packed: PackedQuant | PackedWeight
     bias: torch.Tensor | None
 
 
@@ -69,16 +71,22 @@ class DecoderStack:
         self.head_dim, self.intermediate_size = head_dim, intermediate_size
         self.qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         self.scratch_width = self.qkv_width + num_heads * head_dim + 3 * intermediate_size
-        data = _BF16_OUT | _BF16_X if dtype is torch.bfloat16 else 0
+        data = _BF16_OUT | _BF16_X if dtype is torch.bfloat16 else 0  # the same bits in every GEMM
         rows = []
         for layer in layers:
             row = [layer.input_norm.data_ptr(), layer.post_norm.data_ptr()]
             for proj in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                _, q, so, so_bits = proj.packed.args
-                bias = proj.bias
+                packed, bias = proj.packed, proj.bias
                 bias_bits = _BF16_BIAS if bias is not None and bias.dtype is torch.bfloat16 else 0
-                row += [q, so, 0 if bias is None else bias.data_ptr(), data | bias_bits | so_bits,
-                        proj.packed.bits, proj.packed.group_size]
+                bias_ptr = 0 if bias is None else bias.data_ptr()
+                if isinstance(packed, PackedQuant):
+                    _, q, so, so_bits = packed.args
+                    row += [_QUANT, q, so, bias_ptr, data | bias_bits | so_bits, packed.bits, packed.group_size]
+                elif packed.kind == "native":
+                    row += [_FP32, packed.tensor.data_ptr(), 0, bias_ptr, 0, 0, 0]
+                else:  # the tile the layer's own calls use (chosen once per process)
+                    widen = native_linear._BF16_WIDEN if native_linear.bf16_tile() == "widen" else 0
+                    row += [_BF16, packed.tensor.data_ptr(), 0, bias_ptr, data | bias_bits | widen, 0, 0]
             rows += row
         self._layers = array.array("q", rows)
         self._step = array.array("q", [0] * _STEP_FIELDS)
@@ -95,7 +103,6 @@ class DecoderStack:
         """The stack, or None where the kernel does not take these weights (see the module doc)."""
         if not (layers and enabled() and dtype in _DTYPES and native.available()):
             return None
-        panel = native._library().pagedserve_quant_linear_panel()
         hidden, inter = shape["hidden_size"], shape["intermediate_size"]
         q_size = shape["num_heads"] * shape["head_dim"]
         widths = {"qkv": (q_size + 2 * shape["num_kv_heads"] * shape["head_dim"], hidden),
@@ -110,12 +117,12 @@ class DecoderStack:
                     return None
             for name, (n, k) in widths.items():
                 proj = getattr(layer, name)
-                packed, bias = proj.packed, proj.bias
-                if not (isinstance(packed, PackedQuant) and packed.kind in ("q4", "q8")
-                        and packed.panel == panel and packed.perm is None and (packed.n, packed.k) == (n, k)):
+                if not _takes(proj.packed, dtype, n, k):
                     return None
-                if bias is not None and not (bias.dtype in _DTYPES and bias.is_cpu
-                                             and bias.is_contiguous() and bias.shape == (n,)):
+                bias = proj.bias
+                fp32_only = isinstance(proj.packed, PackedWeight) and proj.packed.kind == "native"
+                if bias is not None and not (bias.dtype in ((torch.float32,) if fp32_only else _DTYPES)
+                                             and bias.is_cpu and bias.is_contiguous() and bias.shape == (n,)):
                     return None
         return cls(layers, dtype=dtype, **shape)
 
@@ -172,6 +179,24 @@ class DecoderStack:
             tables.data_ptr(), metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(),
             self.eps, self.scale, 1, torch.get_num_threads()))
         return hidden, residual
+
+
+def _takes(packed, dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether the kernel runs this packed [n, k] weight on dtype activations as the layer would."""
+    lib = native._library()
+    if isinstance(packed, PackedQuant):
+        return (packed.kind in ("q4", "q8") and packed.panel == lib.pagedserve_quant_linear_panel()
+                and packed.perm is None and (packed.n, packed.k) == (n, k))
+    if not isinstance(packed, PackedWeight) or packed.out_features != n:
+        return False
+    t = packed.tensor
+    if packed.kind == "native":  # [panels, k, panel] fp32, fp32 activations only
+        return (dtype is torch.float32 and t.dtype is torch.float32 and t.dim() == 3 and t.is_contiguous()
+                and t.shape[1] == k and t.shape[2] == lib.pagedserve_linear_panel() and t.shape[0] * t.shape[2] >= n)
+    if packed.kind == "native_bf16":  # [panels, k / 2, panel, 2] bf16
+        return (t.dtype is torch.bfloat16 and t.dim() == 4 and t.is_contiguous() and t.shape[1] == (k + 1) // 2
+                and t.shape[2:] == (native_linear.linear_bf16_panel(), 2) and t.shape[0] * t.shape[2] >= n)
+    return False
 
 
 def _index(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:

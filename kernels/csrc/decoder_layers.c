@@ -11,7 +11,7 @@
  *   residual += hidden; hidden = rms_norm(residual) * input_norm      (layer 0 of a step whose
  *                                                                      residual is unset: residual
  *                                                                      = hidden, then the norm)
- *   qkv = hidden . Wqkv^T (+ b)            quantized weight-only GEMM (csrc/gemm_q.c)
+ *   qkv = hidden . Wqkv^T (+ b)            the projection's packed GEMM (csrc/gemm*.c)
  *   rotate q, k in qkv; store k, v          csrc/rotary_kv.c
  *   attn = decode attention of q            csrc/paged_attention.c
  *   hidden = attn . Wo^T (+ b)
@@ -22,8 +22,11 @@
 
 #include "common.h"
 
-/* One projection's fields in a layer's row of `layers` (int64 each). */
-enum { DP_Q, DP_SO, DP_BIAS, DP_DTYPES, DP_BITS, DP_GROUP, DP_FIELDS };
+/* One projection's fields in a layer's row of `layers` (int64 each): its kernel, the weight's
+ * packing (quantized: q and so; dense: the packed panels in DP_W), the bias or 0, and the kernel's
+ * dtypes bits (and, quantized, bits and group size). */
+enum { DP_KIND, DP_W, DP_SO, DP_BIAS, DP_DTYPES, DP_BITS, DP_GROUP, DP_FIELDS };
+enum { KIND_QUANT, KIND_FP32, KIND_BF16 };  /* csrc/gemm_q.c, csrc/gemm.c, csrc/gemm_bf16.c */
 enum { PROJ_QKV, PROJ_O, PROJ_GATE_UP, PROJ_DOWN, PROJ_COUNT };
 /* A layer's row: its two norm weights, then its projections. */
 enum { DL_INPUT_NORM, DL_POST_NORM, DL_PROJ, DL_FIELDS = DL_PROJ + PROJ_COUNT * DP_FIELDS };
@@ -37,10 +40,18 @@ enum {
 static int project(const int64_t *layer, int proj, void *out, const void *x, int64_t rows, int64_t n,
                    int64_t k, int num_threads) {
     const int64_t *p = layer + DL_PROJ + proj * DP_FIELDS;
-    return pagedserve_quant_linear(out, x, k, NULL, (const uint8_t *)(intptr_t)p[DP_Q],
-                                   (const void *)(intptr_t)p[DP_SO], (const void *)(intptr_t)p[DP_BIAS],
-                                   (int)p[DP_DTYPES], (int)p[DP_BITS], p[DP_GROUP], rows, n, k,
-                                   num_threads);
+    const void *w = (const void *)(intptr_t)p[DP_W], *bias = (const void *)(intptr_t)p[DP_BIAS];
+    switch (p[DP_KIND]) {
+    case KIND_QUANT:
+        return pagedserve_quant_linear(out, x, k, NULL, w, (const void *)(intptr_t)p[DP_SO], bias,
+                                       (int)p[DP_DTYPES], (int)p[DP_BITS], p[DP_GROUP], rows, n, k,
+                                       num_threads);
+    case KIND_FP32:
+        return pagedserve_linear(out, x, k, w, bias, rows, n, k, num_threads);
+    case KIND_BF16:
+        return pagedserve_linear_bf16(out, x, k, w, bias, (int)p[DP_DTYPES], rows, n, k, num_threads);
+    }
+    return PS_UNSUPPORTED;
 }
 
 #define PS_TRY(call)                          \

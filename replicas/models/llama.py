@@ -96,14 +96,16 @@ class LlamaModel(nn.Module):
 
 
 def _projection(linear: Linear) -> Projection | None:
-    packed = linear.packed_quant
-    return Projection(packed[0], linear.bias) if packed is not None and len(packed) == 1 else None
+    quantized = linear.packed_quant
+    if quantized is None:
+        return None if linear.packed is None else Projection(linear.packed, linear.bias)
+    return Projection(quantized[0], linear.bias) if len(quantized) == 1 else None
 
 
 def _layer_weights(layer: nn.Module) -> LayerWeights | None:
     """A layer's weights for DecoderStack, None where its forward is not the stack's: another
     layer, attention or MLP class, q/k norms, a window or soft cap, tensor parallelism, another
-    activation, a projection not quantized whole."""
+    activation, a quantized projection in several parts."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not (type(layer) is LlamaDecoderLayer and type(attn) is Attention and type(mlp) is GatedMLP
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm

@@ -1,9 +1,11 @@
 """Decode steps through every layer in one native call (kernels/decoder_layers.py): bit for bit the
-layer loop's hidden states and KV cache writes, for the quantized models it takes, and the layer
-loop kept for everything else."""
+layer loop's hidden states and KV cache writes, for the quantized and dense models it takes, and
+the layer loop kept for everything else."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -35,6 +37,10 @@ def checkpoints(tmp_path_factory):
                                   ("gptq-act-order", llama, dict(bits=4, group_size=64, desc_act=True))):
         qc.write_gptq(source, root / name, **options)
         out[name] = root / name
+    for name, change in (("gelu-mlp", {"hidden_act": "gelu"}), ("sliding-window", {"sliding_window": 8})):
+        out[name] = shutil.copytree(llama, root / name)
+        config = json.loads((out[name] / "config.json").read_text())
+        (out[name] / "config.json").write_text(json.dumps({**config, **change}))
     return out
 
 
@@ -72,7 +78,7 @@ def _forward_both_ways(model, ids, positions, caches, metadata):
     return model(ids, positions, caches, metadata), expected, looped
 
 
-@pytest.mark.parametrize("name", ["gguf-q4_1", "gguf-q8_0", "gptq-qwen2-biases"])
+@pytest.mark.parametrize("name", ["gguf-q4_1", "gguf-q8_0", "gptq-qwen2-biases", "dense"])
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
                                             (torch.float32, torch.bfloat16),
                                             (torch.bfloat16, torch.bfloat16)])
@@ -92,7 +98,7 @@ def test_a_decode_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtyp
     assert all(r is not None for r in ran[1:]) and len(ran) == 4
 
 
-@pytest.mark.parametrize("name", ["dense", "gptq-act-order"])
+@pytest.mark.parametrize("name", ["gptq-act-order", "gelu-mlp", "sliding-window"])
 def test_models_it_does_not_take_keep_the_layer_loop(checkpoints, name):
     model = load_model(checkpoints[name], dtype="float32")[0]
     assert model.model.decoder_stack is None
