@@ -6,6 +6,8 @@ import math
 import os
 import platform
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -59,6 +61,26 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, min_time_s: float 
             best[name] = min(best[name], time.perf_counter() - start)
         rounds += 1
     return best
+
+
+def alternate_decode_children(module: str, env_name: str, settings: dict[str, str], argv: list[str],
+                              rounds: int, label: str = "") -> tuple[dict[str, list[float]], dict]:
+    """Runs `python -m module --child *argv` once per setting each round, the settings alternating,
+    with env_name set to the setting's value; each child prints a last line of JSON with its
+    decode_tok_s and tokens. Returns (setting -> tok/s of each round, setting -> its first
+    run's tokens)."""
+    runs: dict[str, list[float]] = {name: [] for name in settings}
+    tokens = {}
+    for _ in range(rounds):
+        for name, value in settings.items():
+            done = subprocess.run([sys.executable, "-m", module, "--child", *argv],
+                                  env={**os.environ, env_name: value}, capture_output=True, text=True,
+                                  check=True, timeout=600)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[name].append(result["decode_tok_s"])
+            tokens.setdefault(name, result["tokens"])
+            print(f"  {label}{name:>10}: {result['decode_tok_s']:.1f} tok/s", flush=True)
+    return runs, tokens
 
 
 def cpu_info() -> dict:

@@ -15,10 +15,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-from bench.common import cpu_info, write_result
+from bench.common import alternate_decode_children, cpu_info, write_result
 
 PROMPT_LEN = 128
 SETTINGS = {"layer loop": "0", "one call": "1"}
@@ -41,18 +39,10 @@ def child(args) -> None:
 
 
 def run(args, batch: int) -> dict:
-    runs: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    tokens = {}
-    for _ in range(args.rounds):
-        for name, setting in SETTINGS.items():
-            env = {**os.environ, "PAGEDSERVE_FUSED_DECODE": setting}
-            done = subprocess.run([sys.executable, "-m", "bench.decode_stack", "--child", "--batch", str(batch),
-                                   "--threads", str(args.threads), "--tokens", str(args.tokens)],
-                                  env=env, capture_output=True, text=True, check=True, timeout=600)
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            runs[name].append(result["decode_tok_s"])
-            tokens.setdefault(name, result["tokens"])
-            print(f"  batch {batch:3d} {name:>10}: {result['decode_tok_s']:.1f} tok/s", flush=True)
+    runs, tokens = alternate_decode_children(
+        "bench.decode_stack", "PAGEDSERVE_FUSED_DECODE", SETTINGS,
+        ["--batch", str(batch), "--threads", str(args.threads), "--tokens", str(args.tokens)],
+        args.rounds, label=f"batch {batch:3d} ")
     medians = {k: statistics.median(v) for k, v in runs.items()}
     return {"batch": batch, "runs_tok_s": runs, "median_tok_s": medians,
             "speedup": medians["one call"] / medians["layer loop"],

@@ -16,10 +16,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
-from bench.common import cpu_info, time_interleaved, write_result
+from bench.common import alternate_decode_children, cpu_info, time_interleaved, write_result
 
 PROMPT_LEN = 128
 
@@ -84,18 +82,9 @@ def decode_child(args) -> None:
 
 
 def decode(args) -> dict:
-    runs: dict[str, list[float]] = {"ctypes": [], "python": []}
-    tokens = {}
-    for _ in range(args.rounds):
-        for calls in runs:
-            env = {**os.environ, "PAGEDSERVE_NATIVE_CALLS": calls}
-            done = subprocess.run([sys.executable, "-m", "bench.native_calls", "--child",
-                                   "--threads", str(args.threads), "--tokens", str(args.tokens)],
-                                  env=env, capture_output=True, text=True, check=True, timeout=600)
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            runs[calls].append(result["decode_tok_s"])
-            tokens.setdefault(calls, result["tokens"])
-            print(f"  {calls:>6}: {result['decode_tok_s']:.1f} tok/s", flush=True)
+    runs, tokens = alternate_decode_children(
+        "bench.native_calls", "PAGEDSERVE_NATIVE_CALLS", {"ctypes": "ctypes", "python": "python"},
+        ["--threads", str(args.threads), "--tokens", str(args.tokens)], args.rounds)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     return {"runs_tok_s": runs, "median_tok_s": medians,
             "python_over_ctypes": medians["python"] / medians["ctypes"],

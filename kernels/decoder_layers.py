@@ -69,8 +69,8 @@ class DecoderStack:
         self.dtype, self.eps, self.scale = dtype, eps, scale
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim, self.intermediate_size = head_dim, intermediate_size
-        self.qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
-        self.scratch_width = self.qkv_width + num_heads * head_dim + 3 * intermediate_size
+        # csrc/decoder_layers.c's per-token scratch: qkv, attention output, gate_up, activation
+        self.scratch_width = (2 * num_heads + 2 * num_kv_heads) * head_dim + 3 * intermediate_size
         data = _BF16_OUT | _BF16_X if dtype is torch.bfloat16 else 0  # the same bits in every GEMM
         rows = []
         for layer in layers:
@@ -177,7 +177,7 @@ class DecoderStack:
             hidden.data_ptr(), residual.data_ptr(), scratch.data_ptr(), _address(self._layers),
             _address(self._kv), _address(step), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(),
-            self.eps, self.scale, 1, torch.get_num_threads()))
+            self.eps, self.scale, torch.get_num_threads()))
         return hidden, residual
 
 

@@ -232,7 +232,7 @@ SIGNATURES = {
     "pagedserve_quant_linear_i8": [_PTR, _PTR, _I64, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I64, _I64,
                                    _I64, _I32],
     "pagedserve_quant_linear_i8_panel": [],
-    "pagedserve_decoder_layers": [_PTR] * 12 + [_F32C, _F32C, _I32, _I32],
+    "pagedserve_decoder_layers": [_PTR] * 12 + [_F32C, _F32C, _I32],
 }
 _LETTERS = {_PTR: "p", _I64: "i", _I32: "i", _F32C: "f"}  # python_entry.c's argument letters
 

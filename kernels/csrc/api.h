@@ -49,6 +49,6 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
                               const int64_t *kv_caches, const int64_t *step, const void *cos,
                               const void *sin, const int64_t *slots, const int32_t *block_tables,
                               const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
-                              float scale, int first, int num_threads);
+                              float scale, int num_threads);
 
 #endif

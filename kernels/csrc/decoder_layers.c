@@ -8,9 +8,8 @@
  * against ~9 kernel calls a layer that are each a few microseconds of work.
  *
  * Per layer, with hidden [T, H] and residual [T, H] carried in place (T decode tokens):
- *   residual += hidden; hidden = rms_norm(residual) * input_norm      (layer 0 of a step whose
- *                                                                      residual is unset: residual
- *                                                                      = hidden, then the norm)
+ *   residual += hidden; hidden = rms_norm(residual) * input_norm      (layer 0: residual = hidden,
+ *                                                                      then the plain norm)
  *   qkv = hidden . Wqkv^T (+ b)            the projection's packed GEMM (csrc/gemm*.c)
  *   rotate q, k in qkv; store k, v          csrc/rotary_kv.c
  *   attn = decode attention of q            csrc/paged_attention.c
@@ -65,13 +64,13 @@ static int project(const int64_t *layer, int proj, void *out, const void *x, int
  * layers: [layers, DL_FIELDS]; kv_caches: [layers] pointers to [2, num_blocks, block_size,
  * kv_heads, head_dim] caches (PS_BF16_KV: bf16); cos, sin: the step's rotary rows (cs_stride
  * apart); slots: int64 [T]; block_tables, seq_lens, query_start_loc as the attention kernel's, every
- * sequence a decode. first: residual holds nothing yet (the first layer's norm is the plain one).
- * Returns the first kernel status that is not PS_OK. */
+ * sequence a decode; residual's contents are not read. Returns the first kernel status that is
+ * not PS_OK. */
 int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
                               const int64_t *kv_caches, const int64_t *step, const void *cos,
                               const void *sin, const int64_t *slots, const int32_t *block_tables,
                               const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
-                              float scale, int first, int num_threads) {
+                              float scale, int num_threads) {
     int64_t tokens = step[DS_TOKENS], h = step[DS_HIDDEN], heads = step[DS_HEADS];
     int64_t kv_heads = step[DS_KV_HEADS], head_dim = step[DS_HEAD_DIM], inter = step[DS_INTER];
     int64_t q_size = heads * head_dim, qkv_n = (heads + 2 * kv_heads) * head_dim;
@@ -86,7 +85,7 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
         const void *input_norm = (const void *)(intptr_t)layer[DL_INPUT_NORM];
         const void *post_norm = (const void *)(intptr_t)layer[DL_POST_NORM];
         void *kv_cache = (void *)(intptr_t)kv_caches[l];
-        if (l == 0 && first) {
+        if (l == 0) {
             memcpy(residual, hidden, (size_t)(tokens * h * elem));
             PS_TRY(pagedserve_rms_norm(hidden, residual, input_norm, tokens, h, eps, norm_dtypes,
                                        num_threads));
