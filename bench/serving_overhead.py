@@ -241,7 +241,7 @@ def main() -> None:
           f"output tok/s ({offline['output_tokens']} tokens in {offline['seconds']:.1f}s)")
     print(f"HTTP ({args.http}), {args.num_requests} requests, {args.concurrency} streams at once, {args.replicas} replica(s) x {args.threads} thread(s): "
           f"{serving['tokens_per_s']:8.1f} output tok/s ({serving['output_tokens']} tokens in "
-          f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s']:.2f}s, "
+          f"{serving['seconds']:.1f}s, TTFT p50 {serving['ttft_p50_s'] * 1e3:.1f}ms, "
           f"ITL p50 {1e3 * (serving['itl_p50_s'] or 0):.1f}ms, "
           f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token "
           f"(+{serving['client_cpu_us_per_token']:.0f} us in the load generator), "

@@ -186,6 +186,7 @@ MEANINGS: dict[str, str] = {
     "ingress_num_cpus": "Ray CPUs per ingress replica",
     "ingress_max_ongoing_requests": "Requests one ingress replica takes at once (503 beyond)",
     "output_channels": "Stream outputs over one channel per ingress and engine replica",
+    "core_channels": "Those channels connect straight to the engine core process over TCP",
     "max_stream_events_per_s": "SSE events per second per ingress; none: measured; 0: no pacing",
     "max_stream_delay_s": "Longest pacing holds back a stream's tokens",
     "engine_process": "Each replica's engine steps in a process of its own (no GIL shared with "

@@ -26,6 +26,7 @@ from typing import Any
 from replicas import cache_digest
 from replicas.config import EngineConfig
 from replicas.embedding_model import uses_encoder
+from replicas.engine_core_client import DeliveredOnChannel
 from replicas.output_channel import ChannelClosed, OutputChannel
 from replicas.outputs import RequestOutput
 from replicas.readiness_probe import ReadinessProbe
@@ -83,9 +84,11 @@ class ChannelRequest:
 @dataclass(slots=True, frozen=True)
 class ReplicaHello:
     """First item of a request streamed on its own call: names the replica, so the ingress
-    can open a channel to it for later requests."""
+    can open a channel to it for later requests: straight to its engine core where it has one
+    (`core_channel`: host, port, token; `replicas/core_channels.py`), else a Ray call."""
 
     replica_id: str
+    core_channel: tuple[str, int, str] | None = None
 
 
 class EngineReplicaDead(RuntimeError):
@@ -119,11 +122,11 @@ class EngineReplica:
     """One engine per replica. `engine_class` injects another engine (tests, custom engines);
     by default a decoder's engine steps in a process of its own (`engine_process`, see
     `replicas/engine_core.py`) unless it spans tensor-parallel ranks, which Ray places with the
-    replica."""
+    replica; ingress replicas' output channels then connect to that process (`core_channels`)."""
 
     async def __init__(self, engine_config: EngineConfig | dict, engine_class: str | type | None = None,
                        stall_timeout_s: float = 120.0, probe_interval_s: float = 10.0,
-                       engine_process: bool = True):
+                       engine_process: bool = True, core_channels: bool = True):
         config = EngineConfig.model_validate(engine_config)
         if isinstance(engine_class, str):
             engine_class = import_attr(engine_class)
@@ -145,6 +148,10 @@ class EngineReplica:
         self._channels: dict[str, OutputChannel] = {}  # by channel id (one per ingress replica)
         self._channel_requests: dict[OutputChannel, dict[str, asyncio.Future]] = {}
         self._metrics = _ReplicaMetrics(self.replica_id)
+        self.core_channel = None  # where ingress replicas connect to the engine core
+        if core_channels and hasattr(self.engine, "open_channels"):
+            import ray
+            self.core_channel = await self.engine.open_channels(ray.util.get_node_ip_address())
         loop = asyncio.get_running_loop()
         self._metrics_task = loop.create_task(self._export_metrics())
         self._probe_task = loop.create_task(ReadinessProbe(self.engine, probe_interval_s).run())
@@ -164,14 +171,21 @@ class EngineReplica:
         channel = self._channels.get(request.channel_id) if request.channel_id else None
         try:
             if channel is None:
-                stream = self.engine.generate(prompt, params, request.request_id, request.priority)
+                # To the core's channel where this ingress has connected it (nothing streams
+                # here then: the call ends with DeliveredOnChannel), else on this call.
+                routing = ({"channel_id": request.channel_id}
+                           if request.channel_id and self.core_channel else {})
+                stream = self.engine.generate(prompt, params, request.request_id, request.priority,
+                                              **routing)
                 try:
                     first = True
                     async for out in stream:
                         if first and request.channel_id:
-                            yield ReplicaHello(self.replica_id)
+                            yield ReplicaHello(self.replica_id, self.core_channel)
                         first = False
                         yield out
+                except DeliveredOnChannel:
+                    return
                 finally:
                     await stream.aclose()  # a no-op after the end; otherwise aborts in the engine
             else:

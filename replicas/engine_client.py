@@ -52,13 +52,14 @@ class EngineClient:
         return ("generate", "embed") if self.config.pooling else ("generate",)
 
     async def generate(self, prompt: PromptInput, params: SamplingParams | None, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, **routing) -> AsyncIterator[RequestOutput]:
         """Stream outputs of the request's `output_kind`. Raises ValueError before the first
         output for a bad request; leaving the iteration early (or being cancelled) aborts the
-        request and frees its blocks."""
+        request and frees its blocks. `routing` goes to `add_request` (EngineCoreClient's
+        `channel_id`)."""
         params = params or SamplingParams()
         queue = OutputQueue(aggregate=params.output_kind is RequestOutputKind.DELTA)
-        self.add_request(request_id, prompt, params, queue.put, priority)
+        self.add_request(request_id, prompt, params, queue.put, priority, **routing)
         try:
             async for output in queue:
                 yield output

@@ -5,7 +5,9 @@ small model a step is mostly Python between torch calls, so the two ping-pong th
 that cost the step thread ~60 µs per streamed token, more than the engine itself. Here the loop is
 the only Python thread: it reads what the replica sent (new requests, aborts, calls), steps, and
 sends every output of the step back as one message (`replicas/core_wire.py`), with the engine's
-stats when they are due. The replica's end is `replicas/engine_core_client.py`.
+stats when they are due. The replica's end is `replicas/engine_core_client.py`. Ingress replicas
+may connect here too (`replicas/core_channels.py`): the outputs of their requests then go
+straight to them, and the replica hears only that those requests finished.
 
     python -m replicas.engine_core FD   # FD: this end of the socket pair; the config arrives on it
 
@@ -23,8 +25,10 @@ import traceback
 from replicas import core_wire as wire
 from replicas.cache_digest import RoutingReporter
 from replicas.config import EngineConfig
+from replicas.core_channels import CoreChannels
 from replicas.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 from replicas.errors import StepFailed
+from replicas.output_channel import ChannelClosed
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +45,37 @@ class _Socket:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.reader = wire.FrameReader()
+        self.lost: list[str] = []  # requests whose output channel went away
 
     def send(self, message: tuple) -> None:
         self.sock.sendall(wire.frame(message))
 
-    def receive(self, wait: bool) -> list[tuple] | None:
+    def receive(self, wait: bool, channels: CoreChannels | None = None) -> list[tuple] | None:
         """Every whole message that has arrived (waiting for one if `wait`); None once the
-        replica has closed its end."""
+        replica has closed its end. Output channels' connections are served meanwhile; a
+        subscriber that went away ends the wait (its requests have errors to report)."""
         messages: list[tuple] = []
         timeout = None if wait else 0.0
-        while select.select([self.sock], [], [], timeout)[0]:
-            try:
-                data = self.sock.recv(_READ_SIZE)
-            except ConnectionError:  # the replica went away mid-message
-                return None
-            if not data:
-                return None
-            messages += self.reader.feed(data)
-            if messages:
-                timeout = 0.0  # drain what else is there, then go
-        return messages
+        while True:
+            watched = [self.sock, *channels.sockets()] if channels is not None else [self.sock]
+            readable = select.select(watched, [], [], timeout)[0]
+            if not readable:
+                return messages
+            for sock in readable:
+                if sock is not self.sock:
+                    self.lost += channels.on_readable(sock)
+                    if self.lost or channels.changed:  # errors to send, or stats
+                        timeout = 0.0
+                    continue
+                try:
+                    data = self.sock.recv(_READ_SIZE)
+                except ConnectionError:  # the replica went away mid-message
+                    return None
+                if not data:
+                    return None
+                messages += self.reader.feed(data)
+                if messages:
+                    timeout = 0.0  # drain what else is there, then go
 
 
 class EngineCore:
@@ -73,6 +88,7 @@ class EngineCore:
         self._failures = 0
         self._stats_due = True
         self._stats_sent_at = 0.0
+        self.channels: CoreChannels | None = None  # after the replica asks (open_channels)
 
     def info(self) -> dict:
         import pickle
@@ -82,19 +98,34 @@ class EngineCore:
                 "tokenizer": pickle.dumps(engine.tokenizer), "stats": self.stats()}
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "last_generation_time": self.last_generation_time}
+        channels = self.channels
+        return {**self.engine.stats(), "last_generation_time": self.last_generation_time,
+                "core_channels": channels.num_subscribers if channels else 0,
+                "core_channel_outputs": channels.num_outputs if channels else 0}
 
     # -- calls the replica makes -----------------------------------------------------------------
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
         return self.routing.report(force_snapshot=force_snapshot)
 
+    def call_open_channels(self, host: str) -> tuple[str, int, str]:
+        """Listen for ingress replicas' output channels on host; (host, port, token)."""
+        if self.channels is None:
+            self.channels = CoreChannels(host)
+        return self.channels.address
+
     # -- the loop --------------------------------------------------------------------------------
     def run(self, conn: _Socket) -> None:
         engine = self.engine
         while True:
-            messages = conn.receive(wait=not engine.has_unfinished_requests() and not self._errors)
+            messages = conn.receive(wait=not engine.has_unfinished_requests() and not self._errors,
+                                    channels=self.channels)
             if messages is None:
                 return
+            if conn.lost:
+                self._lose(conn.lost)
+                conn.lost = []
+            if self.channels is not None and self.channels.changed:
+                self.channels.changed, self._stats_due = False, True
             for message in messages:
                 if message[0] == wire.STOP:
                     return
@@ -106,15 +137,20 @@ class EngineCore:
         kind = message[0]
         self._stats_due = True
         if kind == wire.ADD:
-            _, request_id, prompt, params, priority = message
+            _, request_id, prompt, params, priority, channel_id = message
             try:
                 self.engine.add(self.engine.make_request(request_id, prompt, params,
                                                          priority=priority))
             except ValueError as exc:
                 self._errors.append((request_id, exc))
+                return
+            if self.channels is not None:
+                self.channels.route(request_id, channel_id)
         elif kind == wire.ABORT:
             for request_id in message[1]:
                 self.engine.abort_request(request_id)
+                if self.channels is not None:
+                    self.channels.forget(request_id)
         elif kind == wire.CALL:
             _, call_id, name, kwargs = message
             try:
@@ -143,16 +179,30 @@ class EngineCore:
         self._errors += engine.take_failures()
         return outputs
 
+    def _lose(self, request_ids: list[str]) -> None:
+        """Requests whose output channel went away: nobody reads them; their calls fail."""
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+            self._errors.append((request_id, ChannelClosed("the output channel to the ingress "
+                                                           "closed")))
+
     def _send_step(self, conn: _Socket, outputs: list) -> None:
+        done: list[str] = []
+        if self.channels is not None:
+            for request_id, _ in self._errors:
+                self.channels.forget(request_id)
+            outputs, done, lost = self.channels.send(outputs)
+            self._lose(lost)
         now = time.monotonic()
         stats = None
         if self._stats_due and (not self.engine.has_unfinished_requests()
                                 or now - self._stats_sent_at >= STATS_PERIOD_S):
             stats, self._stats_due, self._stats_sent_at = self.stats(), False, now
-        if outputs or self._errors or stats is not None:
+        if outputs or self._errors or stats is not None or done:
             errors, self._errors = self._errors, []
             conn.send((wire.STEP, [output.wire() for output in outputs],
-                       [(request_id, wire.portable(exc)) for request_id, exc in errors], stats))
+                       [(request_id, wire.portable(exc)) for request_id, exc in errors], stats,
+                       done))
 
 
 def main(fd: int) -> int:

@@ -41,7 +41,17 @@ STOP_TIMEOUT_S = 5.0
 _READ_SIZE = 1 << 20
 
 
+class DeliveredOnChannel(Exception):
+    """The end of a request whose outputs went straight to its ingress's output channel: the
+    replica's call ends (an exception only so that it ends `generate()` like an error would)."""
+
+    def __reduce__(self):
+        return (DeliveredOnChannel, ())
+
+
 class EngineCoreClient(EngineClient):
+    core_module = "replicas.engine_core"  # what runs in the core's process (`python -m`)
+
     def __init__(self, config: EngineConfig, *, start_timeout_s: float = START_TIMEOUT_S):
         self.config = config
         self._receivers: dict[str, OnOutput] = {}
@@ -51,7 +61,7 @@ class EngineCoreClient(EngineClient):
         self._reader = wire.FrameReader()
         self._unsent = bytearray()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sock, self._process = _start(config)
+        self._sock, self._process = _start(config, self.core_module)
         self._finalizer = weakref.finalize(self, _stop, self._sock, self._process, 0.0)
         try:
             info = self._await_ready(start_timeout_s)
@@ -64,6 +74,7 @@ class EngineCoreClient(EngineClient):
         self.vocab_size = info["vocab_size"]
         self.tokenizer = pickle.loads(info["tokenizer"])
         self._stats = info["stats"]
+        self.channel_address: tuple[str, int, str] | None = None
         self._sock.setblocking(False)
         try:  # a replica builds it on its event loop: hear a core that dies while idle
             asyncio.get_running_loop()
@@ -73,13 +84,21 @@ class EngineCoreClient(EngineClient):
 
     # -- EngineClient ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
-                    on_output: OnOutput, priority: int = 0) -> None:
-        """Queue a request; a bad one reaches `on_output` as its ValueError (the core checks it)."""
+                    on_output: OnOutput, priority: int = 0, channel_id: str | None = None) -> None:
+        """Queue a request; a bad one reaches `on_output` as its ValueError (the core checks it).
+        With `channel_id`, where that ingress's output channel is connected to the core, the
+        outputs go there and `on_output` hears only the end (`DeliveredOnChannel`)."""
         self._check_alive()
         if request_id in self._receivers:
             raise ValueError(f"request id {request_id!r} is already running")
         self._receivers[request_id] = on_output
-        self._send((wire.ADD, request_id, prompt, params or SamplingParams(), priority))
+        self._send((wire.ADD, request_id, prompt, params or SamplingParams(), priority, channel_id))
+
+    async def open_channels(self, host: str) -> tuple[str, int, str]:
+        """Have the core take ingress replicas' output channels on host (`core_channels.py`);
+        (host, port, token), for the ingress replicas."""
+        self.channel_address = tuple(await self._call("open_channels", host=host))
+        return self.channel_address
 
     def abort_nowait(self, request_id: str) -> None:
         if self._receivers.pop(request_id, None) is not None and self._error is None:
@@ -188,7 +207,7 @@ class EngineCoreClient(EngineClient):
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == wire.STEP:
-            _, outputs, errors, stats = message
+            _, outputs, errors, stats, done = message
             receivers = self._receivers
             for values in outputs:
                 output = RequestOutput.from_wire(values)
@@ -200,6 +219,10 @@ class EngineCoreClient(EngineClient):
                 receiver = receivers.pop(request_id, None)
                 if receiver is not None:
                     receiver(exc)
+            for request_id in done:
+                receiver = receivers.pop(request_id, None)
+                if receiver is not None:
+                    receiver(DeliveredOnChannel())
             if stats is not None:
                 self._stats = stats
         elif kind == wire.REPLY:
@@ -241,14 +264,14 @@ class EngineCoreClient(EngineClient):
                 future.set_exception(self._error)
 
 
-def _start(config: EngineConfig) -> tuple[socket.socket, subprocess.Popen]:
+def _start(config: EngineConfig, module: str) -> tuple[socket.socket, subprocess.Popen]:
     # `python -m`, not multiprocessing's spawn: it never re-imports the caller's __main__ (Ray's
     # worker script, a notebook).
     ours, theirs = socket.socketpair()
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    process = subprocess.Popen([sys.executable, "-m", "replicas.engine_core", str(theirs.fileno())],
+    process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
                                pass_fds=(theirs.fileno(),), env=env)
     theirs.close()
     ours.sendall(wire.frame(config.model_dump()))

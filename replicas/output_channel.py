@@ -9,6 +9,9 @@ its routing, its `max_ongoing_requests` slot, its errors and its cancellation.
 
 A channel with no request for `idle_timeout_s` ends itself, so a draining replica can finish
 (Ray Serve waits for every ongoing call) and the ingress reopens it on demand.
+
+Where the replica's engine steps in a process of its own, the ingress connects to that process
+instead (`replicas/core_channels.py`), and this Ray form serves the other engines.
 """
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
     check_cluster_fits(settings)
     replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
         settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s,
-        settings.probe_interval_s, settings.engine_process)
+        settings.probe_interval_s, settings.engine_process, settings.core_channels)
     return serve.deployment(Ingress, **ingress_options(settings)).bind(
         replica, settings.ingress_settings().model_dump())
 

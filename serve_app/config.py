@@ -119,6 +119,10 @@ class ServeSettings(RequestLimits):
     # Stream outputs over one channel per (ingress replica, engine replica), batched per engine
     # step (replicas/output_channel.py). Needs the default request router, which pins channels.
     output_channels: bool = True
+    # Where an engine replica's engine steps in a process of its own, its ingress channels connect
+    # straight to that process over TCP (replicas/core_channels.py: a random port on the node's
+    # address, which ingress replicas must reach); false: channels are Ray calls to the replica.
+    core_channels: bool = True
     # Server-sent events per second one ingress replica sends at most, shared by its open streams
     # (serve_app/stream_pacer.py). None: measured, to keep its streaming at half a core; 0: no
     # pacing (an event per engine step and stream).

@@ -10,8 +10,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from replicas import core_wire
 from replicas.deployment import ChannelRequest, EngineReplicaDead, ReplicaHello
 from replicas.errors import StepFailed
+from replicas.output_channel import ChannelClosed
 from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from serve_app import errors
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 _END = object()
 CHANNEL_OPEN_TIMEOUT_S = 10.0
 CHANNEL_RETRY_S = 5.0  # after a channel failed to open or broke, before trying that replica again
+CORE_READ_SIZE = 1 << 20
 
 
 class OutputChannels:
@@ -75,14 +78,46 @@ class OutputChannels:
         for queue in list(self._queues.values()):
             queue.put(error)
 
-    def met(self, replica_id: str) -> None:
+    def met(self, replica_id: str, core_channel: tuple[str, int, str] | None = None) -> None:
         if self.open_call is None or replica_id in self._tasks \
                 or time.monotonic() < self._retry_at.get(replica_id, 0.0):
             return
+        pump = self._pump_core(replica_id, core_channel) if core_channel else self._pump(replica_id)
         # A context of its own: the channel outlives the request that met the replica, and must not
         # share its Ray Serve request id (nor be cancelled with it).
         self._tasks[replica_id] = asyncio.get_running_loop().create_task(
-            self._pump(replica_id), context=contextvars.Context())
+            pump, context=contextvars.Context())
+
+    async def _pump_core(self, replica_id: str, address: tuple[str, int, str]) -> None:
+        """The channel straight to the replica's engine core (`replicas/core_channels.py`); where
+        it cannot be reached, a Ray call to the replica instead."""
+        host, port, token = address
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                    CHANNEL_OPEN_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            logger.debug("engine core of replica %s unreachable (%r): channel by Ray",
+                         replica_id, exc)
+            return await self._pump(replica_id)
+        try:
+            writer.write(core_wire.channel_hello(token, self.channel_id))
+            frames = core_wire.FrameReader()
+            queues = self._queues
+            from_wire = RequestOutput.from_wire
+            while data := await reader.read(CORE_READ_SIZE):
+                for _, batch in frames.feed(data):
+                    for values in batch:  # RequestOutput.wire(): the request id first
+                        queue = queues.get(values[0])
+                        if queue is not None:
+                            queue.put(from_wire(values))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure
+            logger.debug("output channel to the core of replica %s ended: %r", replica_id, exc)
+        finally:
+            self._retry_at[replica_id] = time.monotonic() + CHANNEL_RETRY_S
+            self._tasks.pop(replica_id, None)
+            writer.close()
 
     async def _pump(self, replica_id: str) -> None:
         generator = None
@@ -145,7 +180,7 @@ class ReplicaStream:
         try:
             async for item in self.generator:
                 if isinstance(item, ReplicaHello):
-                    self.channels.met(item.replica_id)
+                    self.channels.met(item.replica_id, item.core_channel)
                 else:
                     self.queue.put(item)
         except asyncio.CancelledError:
@@ -212,6 +247,8 @@ def map_replica_error(exc: BaseException, retry_after_s: int,
         return errors.overloaded(retry_after_s)
     if isinstance(cause, StepFailed):  # this request's step failed; the engine serves on
         return OpenAIError(str(cause), 500, code="engine_step_failed")
+    if isinstance(cause, ChannelClosed):  # its ingress's channel broke while the replica serves on
+        return errors.unavailable(f"the output channel failed: {cause}", retry_after_s)
     if isinstance(cause, EngineReplicaDead):
         mark_dead(cause.replica_id)
         return errors.unavailable(f"the engine failed: {cause}", retry_after_s)

@@ -358,6 +358,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if "," in args.dtype:  # the peers run at one dtype: one run per dtype
+        parser.error("--dtype takes one dtype here; bench.offline_throughput compares several")
     if args.peers is None:
         args.peers = PEERS
 

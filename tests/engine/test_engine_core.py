@@ -113,3 +113,66 @@ def test_a_core_that_dies_fails_the_requests_it_held(tiny_model_dir):
 def test_a_core_that_cannot_load_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="engine failed to start"):
         EngineCoreClient(EngineConfig(model=str(tmp_path)))
+
+
+def test_a_connected_channel_carries_the_outputs_and_the_replica_hears_only_the_end(tiny_model_dir):
+    import socket
+
+    from replicas.engine_core_client import DeliveredOnChannel
+    from replicas.output_channel import ChannelClosed
+    from replicas.outputs import RequestOutput
+
+    model_dir = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA, **GREEDY)
+    channel_id = "c" * wire.CHANNEL_ID_BYTES
+
+    async def read_outputs(sock: socket.socket, request_id: str) -> list[RequestOutput]:
+        reader, got = wire.FrameReader(), []
+        loop = asyncio.get_running_loop()
+        while not (got and got[-1].finished):
+            data = await loop.sock_recv(sock, 1 << 16)
+            assert data, "the channel closed"
+            got += [RequestOutput.from_wire(v) for _, batch in reader.feed(data) for v in batch
+                    if v[0] == request_id]
+        return got
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        try:
+            host, port, token = await client.open_channels("127.0.0.1")
+            # Before any ingress connects, a request naming the channel streams to the replica.
+            before = [out async for out in client.generate("hello world", params, "before",
+                                                           channel_id=channel_id)]
+            stranger = socket.create_connection((host, port))
+            stranger.sendall(wire.channel_hello("0" * wire.CHANNEL_TOKEN_BYTES, channel_id))
+            assert stranger.recv(16) == b""  # a wrong token is hung up on
+            sock = socket.create_connection((host, port))
+            sock.setblocking(False)
+            sock.sendall(wire.channel_hello(token, channel_id))
+            await wait_until(lambda: client.stats()["core_channels"] == 1)
+            stream = client.generate("hello world", params, "routed", channel_id=channel_id)
+            reading = asyncio.ensure_future(read_outputs(sock, "routed"))
+            with pytest.raises(DeliveredOnChannel):
+                async for _ in stream:
+                    pass
+            routed = await reading
+            # A channel that goes away fails its requests; their blocks are freed.
+            held = client.generate([5] * 20, params.clone(max_tokens=230), "held",
+                                   channel_id=channel_id)
+            first = asyncio.ensure_future(held.__anext__())
+            assert await asyncio.get_running_loop().sock_recv(sock, 1 << 16)  # it streams ...
+            sock.close()  # ... and its ingress goes away
+            with pytest.raises(ChannelClosed):
+                await first
+            await wait_until(lambda: client.stats()["num_requests"] == 0)
+            stats = client.stats()
+            return before, routed, stats
+        finally:
+            client.shutdown()
+
+    before, routed, stats = asyncio.run(main())
+    assert [t for o in routed for c in o.outputs for t in c.token_ids] == \
+        [t for o in before for c in o.outputs for t in c.token_ids]
+    assert len(routed) > 1 and routed[-1].finished
+    assert stats["core_channel_outputs"] >= len(routed)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["core_channels"] == 0

@@ -1,11 +1,13 @@
 """The real AsyncEngine, each step made STEP_DELAY_S longer: long generations on a tiny model,
-so that a test can act (kill a replica) while streams are in flight."""
+so that a test can act (kill a replica) while streams are in flight. SlowCoreEngine is the same
+in an engine core process (tests/serve/slow_core.py)."""
 from __future__ import annotations
 
 import time
 
 from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
+from replicas.engine_core_client import EngineCoreClient
 
 STEP_DELAY_S = 0.005
 
@@ -28,3 +30,7 @@ class VerySlowEngine(SlowEngine):
     """100 ms a step: 240 tokens take about 24 s, longer than Ray Serve's default drain (20 s)."""
 
     step_delay_s = 0.1
+
+
+class SlowCoreEngine(EngineCoreClient):
+    core_module = "tests.serve.slow_core"

@@ -2,7 +2,9 @@
 
 The app here paces as hard as it can (max_stream_delay_s between a stream's events), so every stream
 carries several tokens per event; its engine is slowed so that a replica can be killed mid-stream.
-It serves HTTP from its ingress (direct_http), the path `serve run serve_app:app` takes.
+It serves HTTP from its ingress (direct_http), the path `serve run serve_app:app` takes. Every test
+runs twice: with the engine in an engine core process (channels straight to the core, the
+default) and in the replica's process (channels as Ray calls).
 """
 from __future__ import annotations
 
@@ -19,22 +21,26 @@ APP = "channels"
 PREFIX = "/channels"
 
 
-@pytest.fixture(scope="module")
-def coalesced(cluster, tiny_model_dir):
+@pytest.fixture(scope="module", params=["SlowCoreEngine", "SlowEngine"], ids=["core", "ray"])
+def coalesced(request, cluster, tiny_model_dir):
     port = free_port()
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5,
                 max_stream_events_per_s=1, health_check_period_s=1.0, direct_http=True, port=port,
-                engine_class="tests.serve.slow_engine:SlowEngine", **ENGINE_ARGS), APP, PREFIX)
+                engine_class=f"tests.serve.slow_engine:{request.param}", **ENGINE_ARGS), APP, PREFIX)
     yield f"http://127.0.0.1:{port}"
     from ray import serve
     serve.delete(APP)
+
+
+def core_channel_outputs() -> int:
+    return sum(s.get("core_channel_outputs", 0) for s in replica_stats(APP, 2).values())
 
 
 def events(response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_coalesced_stream_joins_to_the_non_streamed_text(coalesced):
+def test_coalesced_stream_joins_to_the_non_streamed_text(coalesced, request):
     body = {"model": MODEL_NAME, "prompt": "the quick brown fox", "max_tokens": 60,
             "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=coalesced, timeout=60) as http:
@@ -46,6 +52,8 @@ def test_coalesced_stream_joins_to_the_non_streamed_text(coalesced):
             assert "".join(texts) == whole
             assert len([t for t in texts if t]) < 30, "60 tokens in about as many events: not coalesced"
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # The second stream came by channel: straight from the core where the engine has one.
+    assert (core_channel_outputs() > 0) == ("Core" in request.node.callspec.params["coalesced"])
 
 
 def test_coalesced_n2_logprobs_chunks_stay_well_formed(coalesced):
