@@ -74,7 +74,6 @@ class EngineCoreClient(EngineClient):
         self.vocab_size = info["vocab_size"]
         self.tokenizer = pickle.loads(info["tokenizer"])
         self._stats = info["stats"]
-        self.channel_address: tuple[str, int, str] | None = None
         self._sock.setblocking(False)
         try:  # a replica builds it on its event loop: hear a core that dies while idle
             asyncio.get_running_loop()
@@ -97,8 +96,7 @@ class EngineCoreClient(EngineClient):
     async def open_channels(self, host: str) -> tuple[str, int, str]:
         """Have the core take ingress replicas' output channels on host (`core_channels.py`);
         (host, port, token), for the ingress replicas."""
-        self.channel_address = tuple(await self._call("open_channels", host=host))
-        return self.channel_address
+        return tuple(await self._call("open_channels", host=host))
 
     def abort_nowait(self, request_id: str) -> None:
         if self._receivers.pop(request_id, None) is not None and self._error is None:

@@ -88,6 +88,15 @@ class OutputChannels:
         self._tasks[replica_id] = asyncio.get_running_loop().create_task(
             pump, context=contextvars.Context())
 
+    def _deliver(self, batch: list[tuple]) -> None:
+        """A channel's batch of outputs (`RequestOutput.wire()`: the request id first) to the
+        queues of the requests still waiting."""
+        queues, from_wire = self._queues, RequestOutput.from_wire
+        for values in batch:
+            queue = queues.get(values[0])
+            if queue is not None:
+                queue.put(from_wire(values))
+
     async def _pump_core(self, replica_id: str, address: tuple[str, int, str]) -> None:
         """The channel straight to the replica's engine core (`replicas/core_channels.py`); where
         it cannot be reached, a Ray call to the replica instead."""
@@ -102,14 +111,9 @@ class OutputChannels:
         try:
             writer.write(core_wire.channel_hello(token, self.channel_id))
             frames = core_wire.FrameReader()
-            queues = self._queues
-            from_wire = RequestOutput.from_wire
             while data := await reader.read(CORE_READ_SIZE):
                 for _, batch in frames.feed(data):
-                    for values in batch:  # RequestOutput.wire(): the request id first
-                        queue = queues.get(values[0])
-                        if queue is not None:
-                            queue.put(from_wire(values))
+                    self._deliver(batch)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure
@@ -124,13 +128,8 @@ class OutputChannels:
         try:
             generator = self.open_call(ChannelRequest(replica_id, self.channel_id))
             await asyncio.wait_for(generator.__anext__(), CHANNEL_OPEN_TIMEOUT_S)
-            queues = self._queues
-            from_wire = RequestOutput.from_wire
             async for batch in generator:
-                for values in batch:  # RequestOutput.wire(): the request id first
-                    queue = queues.get(values[0])
-                    if queue is not None:
-                        queue.put(from_wire(values))
+                self._deliver(batch)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure
