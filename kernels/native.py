@@ -61,8 +61,8 @@ SUPPORTED = {("linux", "x86_64"), ("linux", "aarch64"), ("darwin", "x86_64"), ("
 
 _STATUS = {  # the C kernels' status codes (csrc/common.h)
     1: (ValueError, "query_start_loc is not a non-decreasing list of offsets within the query rows"),
-    2: (ValueError, "a decode sequence's seq_len is below 1 or beyond its block table"),
-    3: (ValueError, "a block table entry used by a decode sequence is outside the KV cache"),
+    2: (ValueError, "a sequence's seq_len is below 1 or its query length, or beyond its block table"),
+    3: (ValueError, "a block table entry used by a sequence is outside the KV cache"),
     4: (MemoryError, "out of memory for the attention scratch buffers"),
     5: (RuntimeError, "this build has no such kernel (the packed GEMM needs AVX2 and FMA, "
                       "the bf16 one AVX512-BF16)"),
@@ -213,9 +213,11 @@ def _compile(compiler: list[str], flags: list[str], sources: list[Path], path: P
 _PTR, _I64, _F32C, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Every entry point's arguments (csrc/api.h has the prototypes; csrc/python_entry.c's SIGNATURES
 # must spell the same list, letter by letter: see _bind_entries).
+_ATTENTION = [_PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+              _F32C, _I64, _F32C, _I32, _I32]
 SIGNATURES = {
-    "pagedserve_paged_decode_attention": [_PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                                          _I64, _I64, _I64, _I64, _I64, _F32C, _I64, _F32C, _I32, _I32],
+    "pagedserve_paged_decode_attention": _ATTENTION,
+    "pagedserve_paged_prefill_attention": _ATTENTION,
     "pagedserve_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32C, _I32, _I32],
     "pagedserve_fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32C, _I32, _I32],
     "pagedserve_silu_and_mul": [_PTR, _PTR, _I64, _I64, _I32, _I32],

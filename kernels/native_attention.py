@@ -1,5 +1,6 @@
-"""Paged decode attention in the native library (csrc/paged_attention.c), through the library
-kernels/native.py loads: fp32 or bf16 queries over an fp32 or bf16 KV cache, fp32 inside."""
+"""Paged attention in the native library, through the library kernels/native.py loads: decode
+(csrc/paged_attention.c) and prefill (csrc/prefill_attention.c), fp32 or bf16 queries over an
+fp32 or bf16 KV cache, fp32 inside."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +38,31 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     sliding_window and logits_soft_cap as in kernels/reference.py; block table entries wholly
     outside the window are never read (nor checked). level: another CPU level's kernel.
     """
+    _attention("pagedserve_paged_decode_attention", out, query, kv_cache, block_tables, seq_lens,
+               query_start_loc, scale, sliding_window, logits_soft_cap, level)
+
+
+def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float, *,
+                            level: str | None = None) -> None:
+    """Prefill attention into out, causal (query i of a sequence at position seq_len - query_len
+    + i), reading K/V in place through the block tables; the arguments as paged_decode_attention's.
+    Only the rows of sequences with query_len > 1 are written. No sliding window or soft cap, and
+    head_dim a multiple of 16 (see supports_prefill): the torch path takes the rest."""
+    if query.dim() == 3 and not supports_prefill(query.shape[2]):
+        raise ValueError(f"prefill attention needs a head_dim that is a multiple of 16, "
+                         f"got {query.shape[2]}")
+    _attention("pagedserve_paged_prefill_attention", out, query, kv_cache, block_tables, seq_lens,
+               query_start_loc, scale, None, None, level)
+
+
+def supports_prefill(head_dim: int) -> bool:
+    return head_dim % 16 == 0
+
+
+def _attention(kernel: str, out, query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+               sliding_window, logits_soft_cap, level) -> None:
     lib = _level_library(level)
     dtype, kv_dtype = out.dtype, kv_cache.dtype
     if not (_fits_data(out, dtype) and (dtype is _F32 or dtype is _BF16) and query.dtype is dtype
@@ -61,7 +87,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: tor
     _check_index("query_start_loc", query_start_loc, (batch + 1,))
     _check_index("block_tables", block_tables, (batch, width))
     dtypes = (BF16_DATA if dtype is _BF16 else 0) | (BF16_KV if kv_dtype is _BF16 else 0)
-    _check(lib.pagedserve_paged_decode_attention(
+    _check(getattr(lib, kernel)(
         out.data_ptr(), query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks, block_size,
         block_tables.data_ptr(), width, seq_lens.data_ptr(), query_start_loc.data_ptr(),
         batch, num_tokens, num_heads, num_kv_heads, head_dim, scale, sliding_window or 0,

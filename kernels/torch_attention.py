@@ -1,8 +1,10 @@
 """Fast CPU paged attention: the reference's semantics, batched and without host syncs.
 
-float32 and bfloat16 decodes (either over a float32 or a bfloat16 KV cache) run in the native C
-kernel (kernels/native.py) when it is available, on every CPU level: it reads K/V in place through
-the block tables, where the torch path below copies them out first. Otherwise,
+float32 and bfloat16 decodes and prefills (either over a float32 or a bfloat16 KV cache) run in
+the native C kernels (kernels/native_attention.py) when they are available, on every CPU level:
+they read K/V in place through the block tables, where the torch path below copies them out first.
+Prefills with a sliding window, a soft cap or a head_dim that is not a multiple of 16 keep the
+torch path, as does everything when use_native=False. There,
 decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
 for one group is sorted by context length first, so groups pad little); each group is one block
 gather plus one scaled_dot_product_attention call
@@ -10,9 +12,9 @@ with the query heads of a KV head laid out as that head's "query positions" (GQA
 K/V per query head). Prefill chunks go one sequence at a time through SDPA with enable_gqa, causal
 with the offset seq_len - query_len.
 
-Dtypes, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half the bytes gathered;
-SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster than fp32 on this
-CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32: torch's CPU fp16
+Dtypes on the torch path, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half
+the bytes gathered; SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster
+than fp32 on this CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32: torch's CPU fp16
 kernels are several times slower.
 
 A sliding window gathers only the blocks some query's window reaches (a long prefill runs in query
@@ -56,14 +58,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     """query [num_tokens, num_heads, head_dim] -> output of the same shape and dtype.
 
     sliding_window and logits_soft_cap as in kernels/reference.py. use_native=False keeps
-    decodes on the torch path (tests and benchmarks compare them).
+    decodes and prefills on the torch path (tests and benchmarks compare them).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, whatever query is
     starts = metadata.query_start_loc_cpu
-    decodes = [b for b, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
-    if decodes and use_native and _native_decode(query, kv_cache):
-        if not native_attention.rows_contiguous(query):  # strided rows are fine, strided heads are not
-            query = query.contiguous()
+    query_lens = metadata.query_lens_cpu
+    decodes = [b for b, q_len in enumerate(query_lens) if q_len == 1]
+    native = use_native and _native(query, kv_cache)
+    if native and not native_attention.rows_contiguous(query):  # strided rows are fine, not heads
+        query = query.contiguous()
+    if decodes and native:
         # One call for the whole batch: the kernel skips the prefills, written below.
         native_attention.paged_decode_attention(
             out, query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
@@ -73,7 +77,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     elif decodes:
         _decode_windowed(query, kv_cache, metadata, scale, out, starts, decodes, sliding_window,
                          logits_soft_cap)
-    for b, q_len in enumerate(metadata.query_lens_cpu):
+    if len(decodes) == len(query_lens):
+        return out
+    if (native and sliding_window is None and logits_soft_cap is None
+            and native_attention.supports_prefill(query.shape[2])):
+        # One call for every prefill: it skips the decodes, written above.
+        native_attention.paged_prefill_attention(
+            out, query, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            scale)
+        return out
+    for b, q_len in enumerate(query_lens):
         if q_len <= 1:
             continue
         if sliding_window is None and logits_soft_cap is None:
@@ -87,7 +100,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _native_decode(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _native(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (query.dtype in _NATIVE_DTYPES and kv_cache.dtype in _NATIVE_DTYPES and query.is_cpu
             and kv_cache.is_contiguous() and native.available())
 

@@ -14,6 +14,14 @@ int pagedserve_paged_decode_attention(void *out, const void *query, int64_t quer
                                       int64_t num_kv_heads, int64_t head_dim, float scale,
                                       int64_t sliding_window, float logits_soft_cap, int dtypes,
                                       int num_threads);
+int pagedserve_paged_prefill_attention(void *out, const void *query, int64_t query_row_stride,
+                                       const void *kv_cache, int64_t num_blocks, int64_t block_size,
+                                       const int32_t *block_tables, int64_t table_width,
+                                       const int32_t *seq_lens, const int32_t *query_start_loc,
+                                       int64_t num_seqs, int64_t num_tokens, int64_t num_heads,
+                                       int64_t num_kv_heads, int64_t head_dim, float scale,
+                                       int64_t sliding_window, float logits_soft_cap, int dtypes,
+                                       int num_threads);
 int pagedserve_rms_norm(void *out, const void *x, const void *weight, int64_t rows, int64_t hidden,
                         float eps, int dtypes, int num_threads);
 int pagedserve_fused_add_rms_norm(void *x, void *residual, const void *weight, int64_t rows,

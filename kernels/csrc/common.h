@@ -27,6 +27,14 @@ enum {
 #define PS_PREFETCH(p) ((void)(p))
 #endif
 
+/* a * b + c in one rounding where the CPU has FMA. -std=c11 (ISO C) turns GCC's contraction of
+ * `a * b + c` off, so loops that are multiply-adds say so; __builtin_fmaf vectorises. */
+#if defined(__FMA__)
+#define PS_FMA(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define PS_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
 /* Elements per thread below which waking another thread costs more than it saves (ATen's grain). */
 #define PS_GRAIN 32768
 

@@ -74,6 +74,87 @@ def test_mixed_batch_leaves_prefill_rows():
     assert torch.all(out[~rows] == 7.0)
 
 
+# Fresh prefills at block boundaries and beyond a task's tile of positions (96 rows: 32 positions
+# of the default model's 3 query heads per KV head), chunked prefills, and decodes left alone.
+PREFILLS = [(2, 2), (5, 5), (16, 16), (17, 17), (32, 32), (33, 33), (100, 100), (257, 257),
+            (7, 40), (16, 33), (33, 64), (50, 600), (1, 9), (1, 100)]
+
+
+def prefill_rows(case: Case) -> torch.Tensor:
+    return ~decode_rows(case)
+
+
+def run_native_prefill(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+    out = torch.full(case.query.shape, fill)
+    m = case.metadata
+    native_attention.paged_prefill_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                             m.query_start_loc, case.scale)
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed_qkv"])
+def test_prefill_matches_reference(shape, packed):
+    heads, kv_heads, head_dim, block_size = shape
+    case = Case(PREFILLS, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, packed=packed)
+    cache = case.stored_cache(reference.store_kv)
+    out = run_native_prefill(case, cache, fill=7.0)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    rows = prefill_rows(case)
+    assert_close(out[rows], expected[rows], torch.float32)
+    assert torch.all(out[~rows] == 7.0)
+
+
+# Tasks are (sequence, KV head, tile of positions), each computed the same on any thread.
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)], ids=str)
+def test_prefill_threads_agree(heads):
+    case = Case(PREFILLS, num_heads=heads[0], num_kv_heads=heads[1])
+    cache = case.stored_cache(reference.store_kv)
+    torch.set_num_threads(1)  # the autouse fixture restores the thread count
+    one = run_native_prefill(case, cache, fill=0.0)
+    torch.set_num_threads(2)
+    assert torch.equal(one, run_native_prefill(case, cache, fill=0.0))
+
+
+def test_prefill_bad_inputs_raise():
+    case = Case([(1, 20), (3, 3), (4, 40)], num_heads=4, num_kv_heads=2)
+    m, q, cache = case.metadata, case.query, case.kv_cache
+    args = dict(out=torch.empty_like(q), query=q, kv_cache=cache, block_tables=m.block_tables,
+                seq_lens=m.seq_lens, query_start_loc=m.query_start_loc, scale=case.scale)
+    native_attention.paged_prefill_attention(**args)
+    bad = {
+        "query": [q.double(), q.transpose(1, 2), q[:, :3]],
+        "kv_cache": [cache.half(), cache[0], cache[:, :, :, :1]],
+        "block_tables": [m.block_tables.long(), m.block_tables[:2],
+                         torch.full_like(m.block_tables, cache.shape[1])],
+        # a prefill's seq_len below its query length, or beyond its block table
+        "seq_lens": [torch.tensor([20, 2, 40], dtype=torch.int32),
+                     torch.tensor([20, 3, 10_000], dtype=torch.int32)],
+        "query_start_loc": [torch.tensor([0, 1, 4, 99], dtype=torch.int32),
+                            torch.tensor([0, 4, 1, 8], dtype=torch.int32)],
+    }
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError):
+                native_attention.paged_prefill_attention(**{**args, name: value})
+    odd = Case([(3, 3)], num_heads=4, num_kv_heads=2, head_dim=40)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native_attention.paged_prefill_attention(
+            torch.empty_like(odd.query), odd.query, odd.kv_cache, odd.metadata.block_tables,
+            odd.metadata.seq_lens, odd.metadata.query_start_loc, odd.scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["native", "torch_head_dim_40"])
+def test_torch_attention_prefills(head_dim):
+    """Prefills take the native kernel where it applies, and SDPA for the rest, alike."""
+    case = Case(PREFILLS, num_heads=6, num_kv_heads=2, head_dim=head_dim)
+    cache = case.stored_cache(torch_attention.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    assert_close(torch_attention.paged_attention(case.query, cache, case.metadata, case.scale),
+                 expected, torch.float32)
+
+
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed_qkv"])
 def test_torch_attention_dispatch(use_native, packed):

@@ -1,5 +1,5 @@
 """The native kernels' bf16 variants (RMSNorm, fused add + RMSNorm, SiLU-and-mul, paged decode
-attention over a bf16 or fp32 KV cache) against the torch references, on every CPU level this CPU
+and prefill attention over a bf16 or fp32 KV cache) against the torch references, on every CPU level this CPU
 runs (AVX2 included: the fallback of CPUs without AVX512-BF16), and the dispatch that picks them."""
 import os
 import subprocess
@@ -100,6 +100,31 @@ def test_decode(level, dtype, kv_dtype, shape):
     _close(_decode(case, cache, level), _expected(case, cache))
 
 
+# Fresh prefills at block boundaries and beyond a task's tile of positions, chunked prefills (a
+# context already cached), and a decode the kernel leaves alone.
+PREFILLS = [(2, 2), (16, 16), (17, 17), (33, 33), (100, 100), (257, 257), (7, 40), (33, 64),
+            (50, 600), (1, 9)]
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=LEVEL_IDS)
+@pytest.mark.parametrize("dtype, kv_dtype", [(BF16, BF16), (F32, BF16), (BF16, F32)],
+                         ids=["bf16", "fp32_q_bf16_kv", "bf16_q_fp32_kv"])
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_prefill(level, dtype, kv_dtype, shape):
+    heads, kv_heads, head_dim, block_size = shape
+    case = Case(PREFILLS, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, dtype=dtype)
+    cache = case.stored_cache(reference.store_kv).to(kv_dtype)
+    m = case.metadata
+    out = torch.full(case.query.shape, 7.0, dtype=dtype)
+    native_attention.paged_prefill_attention(out, case.query, cache, m.block_tables, m.seq_lens,
+                                             m.query_start_loc, case.scale, level=level)
+    lens = torch.tensor(m.query_lens_cpu)
+    rows = (lens > 1).repeat_interleave(lens)
+    _close(out[rows], _expected(case, cache)[rows])
+    assert torch.all(out[~rows] == 7.0)
+
+
 @pytest.mark.parametrize("soft_cap", [None, SOFT_CAP], ids=["no_cap", "soft_cap"])
 @pytest.mark.parametrize("window", [1, 16, 100])
 def test_windowed_decode(window, soft_cap):
@@ -141,7 +166,8 @@ def test_dispatch_runs_bf16_natively(monkeypatch):
     """The model's bf16 norms, activation and decode attention take the native kernels."""
     calls = []
     for module, name in [(native, "rms_norm"), (native, "fused_add_rms_norm"), (native, "silu_and_mul"),
-                         (native_attention, "paged_decode_attention")]:
+                         (native_attention, "paged_decode_attention"),
+                         (native_attention, "paged_prefill_attention")]:
         original = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
@@ -153,7 +179,8 @@ def test_dispatch_runs_bf16_natively(monkeypatch):
     case = Case([(1, 40), (9, 64), (1, 200)], num_heads=6, num_kv_heads=2, dtype=BF16)
     cache = case.stored_cache(torch_attention.store_kv)
     actual = torch_attention.paged_attention(case.query, cache, case.metadata, case.scale)
-    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "paged_decode_attention"]
+    assert calls == ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "paged_decode_attention",
+                     "paged_prefill_attention"]
     torch.testing.assert_close(actual.float(), _expected(case, cache).float(), rtol=2e-2, atol=2e-2)
 
 
