@@ -1,7 +1,7 @@
 """Paged-attention kernels against baselines measured in the same run.
 
     python -m bench.kernels --cpu     reference vs the torch fast path (and SDPA on contiguous K/V);
-                                      float32: the native C decode kernel vs the torch decode path,
+                                      float32: the native C decode and prefill kernels vs the torch path,
                                       and bench.cpu_ops: native RMSNorm / SiLU-and-mul vs their torch
                                       references, a step's projections: native GEMM vs MKL vs oneDNN;
                                       bfloat16 (AVX512-BF16 CPUs): the native bf16 GEMM's tiles vs
@@ -125,7 +125,7 @@ def run_cpu(args) -> None:
         dtype = DTYPES[dtype_name]
         with_native = dtype == torch.float32 and native.available()
         print(f"\n{dtype_name}, {args.threads} thread(s); times in ms; x ref = reference / torch, "
-              f"x torch = torch / native (decodes in C), x sdpa = torch / contiguous SDPA")
+              f"x torch = torch / native (C), x sdpa = torch / contiguous SDPA")
         print(f"{'case':38} {'reference':>10} {'torch':>9} {'native':>9} {'sdpa':>8} {'x ref':>7} "
               f"{'x torch':>7} {'x sdpa':>7} {'err':>8}")
         for name, seqs in cpu_cases(args.quick):
@@ -136,7 +136,7 @@ def run_cpu(args) -> None:
                 "reference": lambda: reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale),
                 "torch": lambda: torch_path(b.query, b.kv_cache, b.metadata, b.scale),
                 "sdpa": b.contiguous_sdpa()}
-            has_native = with_native and any(q == 1 for q, _ in seqs)
+            has_native = with_native  # decodes and prefills alike run in C
             if has_native:
                 contenders["native"] = lambda: fast.paged_attention(b.query, b.kv_cache, b.metadata, b.scale)
                 err = max(err, max_error(contenders["native"](), expected))
@@ -148,7 +148,8 @@ def run_cpu(args) -> None:
             native_cols = f"{'':>9}", f"{'':>7}"
             if has_native:
                 t_native = t["native"]
-                row.update(native_ms=t_native * 1e3, native_speedup_vs_torch=t_fast / t_native)
+                row.update(native_ms=t_native * 1e3, native_speedup_vs_torch=t_fast / t_native,
+                           decodes=any(q == 1 for q, _ in seqs))
                 native_cols = f"{t_native * 1e3:9.2f}", f"{t_fast / t_native:7.2f}"
             rows.append(row)
             print(f"{name:38} {t_ref * 1e3:10.2f} {t_fast * 1e3:9.2f} {native_cols[0]} {t_sdpa * 1e3:8.2f} "
@@ -176,11 +177,12 @@ def run_cpu(args) -> None:
             ratios = [r["speedup_vs_reference"] for r in rows if r["dtype"] == dtype_name and r["kind"] == kind]
             if ratios:
                 print(f"{dtype_name} {kind}: torch is {geomean(ratios):.2f}x the reference's speed (geomean)")
-        ratios = [r["native_speedup_vs_torch"] for r in rows
-                  if r["dtype"] == dtype_name and "native_speedup_vs_torch" in r]
-        if ratios:
-            print(f"{dtype_name} attention: native decode is {geomean(ratios):.2f}x the torch path's speed "
-                  f"(geomean, {len(ratios)} cases with decodes)")
+        for decodes, cases in ((True, "cases with decodes"), (False, "prefill-only cases")):
+            ratios = [r["native_speedup_vs_torch"] for r in rows
+                      if r["dtype"] == dtype_name and r.get("decodes") is decodes]
+            if ratios:
+                print(f"{dtype_name} attention: native is {geomean(ratios):.2f}x the torch path's "
+                      f"speed (geomean, {len(ratios)} {cases})")
     ratios = [r["speedup_vs_torch"] for r in rows if r["kind"] == "norm_act"]
     if ratios:
         print(f"float32 norm/act: native is {geomean(ratios):.2f}x the torch formulas' speed (geomean)")

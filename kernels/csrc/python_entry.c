@@ -87,6 +87,9 @@ PS_ENTRY(pagedserve_paged_prefill_attention, FMT_ATTENTION,
                                             v[7].i, v[8].p, v[9].p, v[10].i, v[11].i, v[12].i,
                                             v[13].i, v[14].i, (float)v[15].f, v[16].i,
                                             (float)v[17].f, (int)v[18].i, (int)v[19].i))
+#define FMT_ARGMAX_ROWS "ppiiiii"
+PS_ENTRY(pagedserve_argmax_rows, FMT_ARGMAX_ROWS,
+         pagedserve_argmax_rows(v[0].p, v[1].p, v[2].i, v[3].i, v[4].i, (int)v[5].i, (int)v[6].i))
 #define FMT_RMS_NORM "pppiifii"
 PS_ENTRY(pagedserve_rms_norm, FMT_RMS_NORM,
          pagedserve_rms_norm(v[0].p, v[1].p, v[2].p, v[3].i, v[4].i, (float)v[5].f, (int)v[6].i,
@@ -134,7 +137,7 @@ PS_PANEL_ENTRY(pagedserve_quant_linear_i8_panel)
 #define PS_METHOD(kernel) {#kernel, (PyCFunction)(void (*)(void))entry_##kernel, METH_FASTCALL, NULL},
 static PyMethodDef methods[] = {
     PS_METHOD(pagedserve_paged_decode_attention) PS_METHOD(pagedserve_paged_prefill_attention)
-    PS_METHOD(pagedserve_rms_norm)
+    PS_METHOD(pagedserve_argmax_rows) PS_METHOD(pagedserve_rms_norm)
     PS_METHOD(pagedserve_fused_add_rms_norm) PS_METHOD(pagedserve_silu_and_mul)
     PS_METHOD(pagedserve_rotary_store_kv) PS_METHOD(pagedserve_linear)
     PS_METHOD(pagedserve_grouped_linear) PS_METHOD(pagedserve_linear_bf16)
@@ -152,9 +155,10 @@ PyMODINIT_FUNC PyInit_pagedserve_cpu(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *signatures = Py_BuildValue(
-        "{ssssssssssssssssssssssssssssssss}",
+        "{ssssssssssssssssssssssssssssssssss}",
         "pagedserve_paged_decode_attention", FMT_ATTENTION,
-        "pagedserve_paged_prefill_attention", FMT_ATTENTION, "pagedserve_rms_norm", FMT_RMS_NORM,
+        "pagedserve_paged_prefill_attention", FMT_ATTENTION,
+        "pagedserve_argmax_rows", FMT_ARGMAX_ROWS, "pagedserve_rms_norm", FMT_RMS_NORM,
         "pagedserve_fused_add_rms_norm", FMT_RMS_NORM, "pagedserve_silu_and_mul", FMT_SILU_AND_MUL,
         "pagedserve_rotary_store_kv", FMT_ROTARY_STORE_KV, "pagedserve_linear", FMT_LINEAR,
         "pagedserve_grouped_linear", FMT_LINEAR, "pagedserve_linear_bf16", FMT_LINEAR_BF16,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_features, native, native_attention, norm_act, reference, torch_attention
+from kernels import (cpu_features, native, native_argmax, native_attention, norm_act, reference,
+                     torch_attention)
 from tests.kernels.kernel_cases import SOFT_CAP, Case
 
 if not native.available():
@@ -125,6 +126,33 @@ def test_prefill(level, dtype, kv_dtype, shape):
     assert torch.all(out[~rows] == 7.0)
 
 
+@pytest.mark.parametrize("level", LEVELS, ids=LEVEL_IDS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 49152), (64, 49152), (7, 1000), (3, 63), (2, 64), (5, 65)],
+                         ids=str)
+def test_argmax_rows(level, dtype, shape):
+    """torch.argmax's answer: the first of tied maxima, the first NaN above everything, 0 for a
+    row of -inf; strided rows too."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape[0], shape[1] + 3, generator=gen).to(dtype)[:, 2:-1]  # strided rows
+    rows, n = shape
+    if n > 1:
+        x[0, n // 2] = x[0, n - 1] = x[0].max() + 1  # a tie: the first wins
+    if rows > 2:
+        x[1, n - 1] = float("nan")
+        x[1, n // 3] = float("nan")
+        x[2] = float("-inf")
+    assert torch.equal(native_argmax.argmax_rows(x, level=level), x.argmax(dim=-1))
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    for bad in [torch.randn(3), torch.randn(3, 0), torch.randn(4, 3).t(), torch.randn(2, 3).double(),
+                torch.randn(2, 3).half()]:
+        assert not native_argmax.usable(bad)
+        with pytest.raises(ValueError):
+            native_argmax.argmax_rows(bad)
+
+
 @pytest.mark.parametrize("soft_cap", [None, SOFT_CAP], ids=["no_cap", "soft_cap"])
 @pytest.mark.parametrize("window", [1, 16, 100])
 def test_windowed_decode(window, soft_cap):
@@ -210,7 +238,8 @@ def test_forced_avx2_level_runs_the_bf16_kernels():
         pytest.skip("no AVX2 on this CPU")
     code = """
 import torch
-from kernels import cpu_features, native, native_attention, norm_act, reference, torch_attention
+from kernels import (cpu_features, native, native_argmax, native_attention, norm_act, reference,
+                     torch_attention)
 from tests.kernels.kernel_cases import Case
 torch.set_num_threads(1)
 x, r, w = (torch.randn(5, 576).to(torch.bfloat16) for _ in range(3))
