@@ -4,18 +4,17 @@ float32 and bfloat16 decodes and prefills (either over a float32 or a bfloat16 K
 the native C kernels (kernels/native_attention.py) when they are available, on every CPU level:
 they read K/V in place through the block tables, where the torch path below copies them out first.
 Prefills with a sliding window, a soft cap or a head_dim that is not a multiple of 16 keep the
-torch path, as does everything when use_native=False. There,
-decode sequences (query_len 1) run in groups whose gathered K/V stay cache-sized (a batch too big
-for one group is sorted by context length first, so groups pad little); each group is one block
-gather plus one scaled_dot_product_attention call
-with the query heads of a KV head laid out as that head's "query positions" (GQA without copying
-K/V per query head). Prefill chunks go one sequence at a time through SDPA with enable_gqa, causal
-with the offset seq_len - query_len.
+torch path, as does everything when use_native=False. There, decode sequences (query_len 1) run
+in groups whose gathered K/V stay cache-sized (a batch too big for one group is sorted by context
+length first, so groups pad little); each group is one block gather plus one
+scaled_dot_product_attention call with the query heads of a KV head laid out as that head's "query
+positions" (GQA without copying K/V per query head). Prefill chunks go one sequence at a time
+through SDPA with enable_gqa, causal with the offset seq_len - query_len.
 
 Dtypes on the torch path, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half
 the bytes gathered; SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster
-than fp32 on this CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32: torch's CPU fp16
-kernels are several times slower.
+than fp32 on this CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32:
+torch's CPU fp16 kernels are several times slower.
 
 A sliding window gathers only the blocks some query's window reaches (a long prefill runs in query
 tiles, each gathering its own span), so dropped blocks are never read and the cost follows the
