@@ -106,6 +106,12 @@ def test_disconnect_mid_coalesced_stream_frees_the_blocks(coalesced):
     wait_for(all_free, 15, 0.2, "every KV block to be free")
 
 
+# Each stream goes to its prompt's cold-prefix home, and the homes of 8 streams were once all one
+# replica (leaving nothing to survive the kill). With 16, the load guard (cold_home_max_excess_load,
+# 8) sends some to the other replica whatever the homes.
+STREAMS = 16
+
+
 def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
     import ray
 
@@ -115,7 +121,7 @@ def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
     async def one(http, i, started):
         outcome = {"tokens": 0, "error": None, "done": False, "finish": None}
         async with http.stream("POST", "/v1/completions",
-                               json={**body, "prompt": f"request number {i} of eight"}) as r:
+                               json={**body, "prompt": f"request number {i} of {STREAMS}"}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -137,8 +143,8 @@ def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
         async with httpx.AsyncClient(base_url=coalesced, timeout=120) as http:
             await one(http, -1, set())  # meet both replicas' channels ...
             await one(http, -2, set())
-            tasks = [asyncio.create_task(one(http, i, started)) for i in range(8)]
-            while len(started) < 8:
+            tasks = [asyncio.create_task(one(http, i, started)) for i in range(STREAMS)]
+            while len(started) < STREAMS:
                 await asyncio.sleep(0.05)
             stats = await asyncio.to_thread(replica_stats, APP, 2)
             victim, held = max(((rid, s["num_requests"]) for rid, s in stats.items()),
@@ -150,7 +156,7 @@ def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
 
     held, outcomes = asyncio.run(run())
     failed = [o for o in outcomes if o["error"] is not None]
-    assert 0 < held < 8 and len(failed) == held, (held, outcomes)
+    assert 0 < held < STREAMS and len(failed) == held, (held, outcomes)
     for o in failed:
         assert o["done"] and o["error"]["code"] == "service_unavailable", o
     for o in outcomes:
