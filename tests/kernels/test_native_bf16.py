@@ -1,6 +1,7 @@
 """The native kernels' bf16 variants (RMSNorm, fused add + RMSNorm, SiLU-and-mul, paged decode
-and prefill attention over a bf16 or fp32 KV cache) against the torch references, on every CPU level this CPU
-runs (AVX2 included: the fallback of CPUs without AVX512-BF16), and the dispatch that picks them."""
+and prefill attention over a bf16 or fp32 KV cache, the greedy argmax) against the torch references,
+on every CPU level this CPU runs (AVX2 included: the fallback of CPUs without AVX512-BF16), and the
+dispatch that picks them."""
 import os
 import subprocess
 import sys
@@ -128,8 +129,8 @@ def test_prefill(level, dtype, kv_dtype, shape):
 
 @pytest.mark.parametrize("level", LEVELS, ids=LEVEL_IDS)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 49152), (64, 49152), (7, 1000), (3, 63), (2, 64), (5, 65)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (1, 49152), (64, 49152), (7, 1000), (3, 63), (2, 64),
+                                   (5, 65)], ids=str)
 def test_argmax_rows(level, dtype, shape):
     """torch.argmax's answer: the first of tied maxima, the first NaN above everything, 0 for a
     row of -inf; strided rows too."""
@@ -191,7 +192,8 @@ def test_mixed_batch_leaves_prefill_rows():
 
 
 def test_dispatch_runs_bf16_natively(monkeypatch):
-    """The model's bf16 norms, activation and decode attention take the native kernels."""
+    """The model's bf16 norms, activation and decode and prefill attention take the native
+    kernels."""
     calls = []
     for module, name in [(native, "rms_norm"), (native, "fused_add_rms_norm"), (native, "silu_and_mul"),
                          (native_attention, "paged_decode_attention"),
@@ -238,8 +240,7 @@ def test_forced_avx2_level_runs_the_bf16_kernels():
         pytest.skip("no AVX2 on this CPU")
     code = """
 import torch
-from kernels import (cpu_features, native, native_argmax, native_attention, norm_act, reference,
-                     torch_attention)
+from kernels import cpu_features, native, native_attention, norm_act, reference, torch_attention
 from tests.kernels.kernel_cases import Case
 torch.set_num_threads(1)
 x, r, w = (torch.randn(5, 576).to(torch.bfloat16) for _ in range(3))
