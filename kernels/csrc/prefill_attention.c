@@ -55,8 +55,8 @@ typedef struct {
     float *q, *o, *s, *max, *sum, *kt, *v;
 } Scratch;
 
-static float *scratch_alloc(Scratch *w, int64_t head_dim) {
-    int64_t rows = PS_TILE_ROWS, chunk = PS_KEY_CHUNK;
+static float *scratch_alloc(Scratch *w, int64_t head_dim, int64_t rows) {
+    int64_t chunk = PS_KEY_CHUNK;
     float *base = malloc((size_t)(2 * rows * head_dim + rows * chunk + 2 * rows + 2 * chunk * head_dim)
                          * sizeof(float));
     if (!base) return NULL;
@@ -218,8 +218,9 @@ int pagedserve_paged_prefill_attention(void *out, const void *query, int64_t que
         || num_kv_heads <= 0 || num_heads % num_kv_heads)
         return PS_UNSUPPORTED;
     int64_t group = num_heads / num_kv_heads;
-    if (group > PS_TILE_ROWS) return PS_UNSUPPORTED;
-    int64_t tile = PS_TILE_ROWS / group;  /* query positions per task */
+    /* Query positions per task; one at least, however many query heads share a KV head. */
+    int64_t tile = group < PS_TILE_ROWS ? PS_TILE_ROWS / group : 1;
+    int64_t scratch_rows = (tile * group + PS_MR - 1) / PS_MR * PS_MR;
     int64_t tiles;
     int status = validate(block_tables, table_width, seq_lens, query_start_loc, num_seqs,
                           num_tokens, num_blocks, block_size, tile, &tiles);
@@ -248,7 +249,7 @@ int pagedserve_paged_prefill_attention(void *out, const void *query, int64_t que
 #pragma omp parallel num_threads(ps_threads(items, 1, num_threads))
     {
         Scratch w;
-        float *base = scratch_alloc(&w, head_dim);
+        float *base = scratch_alloc(&w, head_dim, scratch_rows);
         if (!base) {
 #pragma omp atomic write
             failed = 1;

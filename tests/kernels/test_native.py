@@ -106,6 +106,15 @@ def test_prefill_matches_reference(shape, packed):
     assert torch.all(out[~rows] == 7.0)
 
 
+def test_prefill_with_more_query_heads_per_kv_head_than_a_tile_has_rows():
+    # 100 query heads on one KV head: a task is one position, its rows the 100 heads.
+    case = Case([(5, 5), (3, 20), (1, 7)], num_heads=100, num_kv_heads=1, head_dim=16)
+    cache = case.stored_cache(reference.store_kv)
+    expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
+    rows = prefill_rows(case)
+    assert_close(run_native_prefill(case, cache)[rows], expected[rows], torch.float32)
+
+
 # Tasks are (sequence, KV head, tile of positions), each computed the same on any thread.
 @pytest.mark.parametrize("heads", [(9, 3), (8, 2), (4, 4)], ids=str)
 def test_prefill_threads_agree(heads):
