@@ -20,6 +20,18 @@ enum {
     PS_BAD_SLOT = 8,
 };
 
+/* One sequence's metadata as the attention kernels check it before following it: a seq_len of at
+ * least min_len that its block table can hold, and the table's entries for the blocks from
+ * position `first` on (those the kernel reads) inside the cache. */
+static inline int ps_check_context(const int32_t *table, int64_t table_width, int64_t seq_len,
+                                   int64_t min_len, int64_t first, int64_t block_size,
+                                   int64_t num_blocks) {
+    if (seq_len < min_len || seq_len > table_width * block_size) return PS_BAD_SEQ_LEN;
+    for (int64_t b = first / block_size; b < (seq_len + block_size - 1) / block_size; b++)
+        if (table[b] < 0 || table[b] >= num_blocks) return PS_BAD_BLOCK_ID;
+    return PS_OK;
+}
+
 /* A hint only: compilers without the builtin lose speed, not correctness. */
 #if defined(__GNUC__) || defined(__clang__)
 #define PS_PREFETCH(p) __builtin_prefetch(p)

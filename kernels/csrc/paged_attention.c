@@ -295,12 +295,10 @@ static int validate(const int32_t *block_tables, int64_t table_width, const int3
         int64_t start = query_start_loc[s], end = query_start_loc[s + 1];
         if (start < 0 || end < start || end > num_tokens) return PS_BAD_QUERY_START_LOC;
         if (end - start != 1) continue;
-        int64_t len = seq_lens[s];
-        if (len < 1 || len > table_width * block_size) return PS_BAD_SEQ_LEN;
-        const int32_t *table = block_tables + s * table_width;
-        int64_t first = first_position(len, sliding_window);
-        for (int64_t b = first / block_size; b < (len + block_size - 1) / block_size; b++)
-            if (table[b] < 0 || table[b] >= num_blocks) return PS_BAD_BLOCK_ID;
+        int64_t len = seq_lens[s], first = first_position(len, sliding_window);
+        int status = ps_check_context(block_tables + s * table_width, table_width, len, 1, first,
+                                      block_size, num_blocks);
+        if (status != PS_OK) return status;
         if (len - first > *max_len) *max_len = len - first;
         ++*decodes;
     }

@@ -194,10 +194,9 @@ static int validate(const int32_t *block_tables, int64_t table_width, const int3
         if (start < 0 || end < start || end > num_tokens) return PS_BAD_QUERY_START_LOC;
         int64_t q_len = end - start, len = seq_lens[s];
         if (q_len <= 1) continue;
-        if (len < q_len || len > table_width * block_size) return PS_BAD_SEQ_LEN;
-        const int32_t *table = block_tables + s * table_width;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
-            if (table[b] < 0 || table[b] >= num_blocks) return PS_BAD_BLOCK_ID;
+        int status = ps_check_context(block_tables + s * table_width, table_width, len, q_len, 0,
+                                      block_size, num_blocks);
+        if (status != PS_OK) return status;
         *tiles += (q_len + tile - 1) / tile;
     }
     return PS_OK;

@@ -36,12 +36,25 @@ def decode_rows(case: Case) -> torch.Tensor:
     return (lens == 1).repeat_interleave(lens)
 
 
-def run_native(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+def run_native(case: Case, cache: torch.Tensor, fill: float = float("nan"),
+               kernel=native_attention.paged_decode_attention) -> torch.Tensor:
     out = torch.full(case.query.shape, fill)
     m = case.metadata
-    native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
-                                            m.query_start_loc, case.scale)
+    kernel(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale)
     return out
+
+
+def run_native_prefill(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
+    return run_native(case, cache, fill, native_attention.paged_prefill_attention)
+
+
+def assert_each_raises(kernel, args: dict, bad: dict) -> None:
+    """kernel(**args) runs; with any one argument replaced by one of its bad values, ValueError."""
+    kernel(**args)
+    for name, values in bad.items():
+        for value in values:
+            with pytest.raises(ValueError):
+                kernel(**{**args, name: value})
 
 
 @pytest.fixture
@@ -80,18 +93,6 @@ PREFILLS = [(2, 2), (5, 5), (16, 16), (17, 17), (32, 32), (33, 33), (100, 100), 
             (7, 40), (16, 33), (33, 64), (50, 600), (1, 9), (1, 100)]
 
 
-def prefill_rows(case: Case) -> torch.Tensor:
-    return ~decode_rows(case)
-
-
-def run_native_prefill(case: Case, cache: torch.Tensor, fill: float = float("nan")) -> torch.Tensor:
-    out = torch.full(case.query.shape, fill)
-    m = case.metadata
-    native_attention.paged_prefill_attention(out, case.query, cache, m.block_tables, m.seq_lens,
-                                             m.query_start_loc, case.scale)
-    return out
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 @pytest.mark.parametrize("packed", [False, True], ids=["contiguous", "packed_qkv"])
 def test_prefill_matches_reference(shape, packed):
@@ -101,7 +102,7 @@ def test_prefill_matches_reference(shape, packed):
     cache = case.stored_cache(reference.store_kv)
     out = run_native_prefill(case, cache, fill=7.0)
     expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
-    rows = prefill_rows(case)
+    rows = ~decode_rows(case)
     assert_close(out[rows], expected[rows], torch.float32)
     assert torch.all(out[~rows] == 7.0)
 
@@ -111,7 +112,7 @@ def test_prefill_with_more_query_heads_per_kv_head_than_a_tile_has_rows():
     case = Case([(5, 5), (3, 20), (1, 7)], num_heads=100, num_kv_heads=1, head_dim=16)
     cache = case.stored_cache(reference.store_kv)
     expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
-    rows = prefill_rows(case)
+    rows = ~decode_rows(case)
     assert_close(run_native_prefill(case, cache)[rows], expected[rows], torch.float32)
 
 
@@ -131,7 +132,6 @@ def test_prefill_bad_inputs_raise():
     m, q, cache = case.metadata, case.query, case.kv_cache
     args = dict(out=torch.empty_like(q), query=q, kv_cache=cache, block_tables=m.block_tables,
                 seq_lens=m.seq_lens, query_start_loc=m.query_start_loc, scale=case.scale)
-    native_attention.paged_prefill_attention(**args)
     bad = {
         "query": [q.double(), q.transpose(1, 2), q[:, :3]],
         "kv_cache": [cache.half(), cache[0], cache[:, :, :, :1]],
@@ -143,10 +143,7 @@ def test_prefill_bad_inputs_raise():
         "query_start_loc": [torch.tensor([0, 1, 4, 99], dtype=torch.int32),
                             torch.tensor([0, 4, 1, 8], dtype=torch.int32)],
     }
-    for name, values in bad.items():
-        for value in values:
-            with pytest.raises(ValueError):
-                native_attention.paged_prefill_attention(**{**args, name: value})
+    assert_each_raises(native_attention.paged_prefill_attention, args, bad)
     odd = Case([(3, 3)], num_heads=4, num_kv_heads=2, head_dim=40)
     with pytest.raises(ValueError, match="multiple of 16"):
         native_attention.paged_prefill_attention(
@@ -349,7 +346,6 @@ def test_bad_inputs_raise():
     m, q, cache = case.metadata, case.query, case.kv_cache
     args = dict(out=torch.empty_like(q), query=q, kv_cache=cache, block_tables=m.block_tables,
                 seq_lens=m.seq_lens, query_start_loc=m.query_start_loc, scale=case.scale)
-    native_attention.paged_decode_attention(**args)
     bad = {
         "query": [q.double(), q.to(torch.bfloat16), q.transpose(1, 2), q[:, :3]],
         "out": [args["out"].double(), torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2),
@@ -362,10 +358,7 @@ def test_bad_inputs_raise():
         "query_start_loc": [m.query_start_loc.long(), torch.tensor([0, 1, 4, 99], dtype=torch.int32),
                             torch.tensor([0, 4, 1, 5], dtype=torch.int32)],
     }
-    for name, values in bad.items():
-        for value in values:
-            with pytest.raises(ValueError):
-                native_attention.paged_decode_attention(**{**args, name: value})
+    assert_each_raises(native_attention.paged_decode_attention, args, bad)
 
     x, weight = torch.randn(4, 64), torch.randn(64)
     for call in [lambda: native.rms_norm(torch.empty_like(x), x.double(), weight.double(), 1e-6),
