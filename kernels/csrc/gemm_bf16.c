@@ -51,20 +51,20 @@ static inline __m512i broadcast_pair(const uint16_t *p) {
         _mm512_add_ps(c##r##0, bias0), _mm512_add_ps(c##r##1, bias1),                       \
         _mm512_add_ps(c##r##2, bias2)}, cols);
 
-/* Row `offset` (in elements) of out, from three vectors of fp32 sums; the first `cols` columns. */
+/* Row `offset` (in elements) of out, from three vectors of fp32 sums; the first `cols` columns,
+ * stored straight from the registers (a copy through a buffer per row measured ~2.5 % of a
+ * batch-64 bf16 decode step). */
 static inline __attribute__((always_inline)) void store_row(void *out, int out_bf16, int64_t offset,
                                                             const __m512 *v, int64_t cols) {
-    if (out_bf16) {
-        uint16_t row[BF_PANEL];
-        for (int j = 0; j < 3; j++)
-            _mm256_storeu_si256((__m256i *)(row + 16 * j), (__m256i)_mm512_cvtneps_pbh(v[j]));
-        memcpy((uint16_t *)out + offset, row, (size_t)cols * sizeof *row);
-    } else if (cols == BF_PANEL) {
-        for (int j = 0; j < 3; j++) _mm512_storeu_ps((float *)out + offset + 16 * j, v[j]);
-    } else {
-        float row[BF_PANEL];
-        for (int j = 0; j < 3; j++) _mm512_storeu_ps(row + 16 * j, v[j]);
-        memcpy((float *)out + offset, row, (size_t)cols * sizeof *row);
+    for (int j = 0; j < 3; j++) {
+        int64_t left = cols - 16 * j;
+        if (left <= 0) break;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        if (out_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + offset + 16 * j, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(v[j]));
+        else
+            _mm512_mask_storeu_ps((float *)out + offset + 16 * j, mask, v[j]);
     }
 }
 
