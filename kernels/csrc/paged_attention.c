@@ -134,12 +134,18 @@ static inline __attribute__((always_inline)) void attend(
  *
  * A step's KV cache (every layer) is far larger than the caches, and its blocks sit at scattered
  * addresses, so this waits on memory unless told what comes next. Positions go by in tiles of
- * PS_TILE, each tile's rows read for every KV head while they are in L1, the rows PS_AHEAD
- * positions on prefetched meanwhile, a few per KV head so that the requests spread over the
- * tile's work. Measured on Zen 5, 2 threads, 30 layers' caches of 64 sequences x 96 positions
- * (bf16), alternating: KV heads outer (each walking its part of every row, 8 rows prefetched)
- * 340-420 us a layer, tiles 210-250, and only reading the same bytes in order 140-170. */
+ * PS_TILE, each tile's rows read for every KV head while they are in L1, and the rows
+ * PS_AHEAD_BYTES on are prefetched meanwhile, a few per KV head so that the requests spread over
+ * the tile's work. Measured on Zen 5, 2 threads, 30 layers' bf16 caches, alternating, us a layer
+ * before (KV heads outer, each walking its part of every row, 8 rows prefetched) -> after:
+ * 64 sequences x 96 positions 367 -> 208 (reading the same bytes in order alone: 140-170),
+ * 64 x 512 1286 -> 943, 16 x 128 114 -> 57, 4 x 1024 273 -> 128, 1 x 2048 93 -> 77; fp32
+ * caches 1.2x. */
 #define PS_GROUP_CHUNK 3
+#define PS_TILE 8 /* scores8's positions */
+/* How far ahead rows are prefetched, in bytes of the task's rows: ~16 rows of three bf16 KV heads
+ * of 64, 64 rows of one (measured best of 8-64 rows, either way). */
+#define PS_AHEAD_BYTES 8192
 
 /* Chunk c (16 values) of a row segment as fp32. */
 static inline __attribute__((always_inline)) __m512 load16(const char *row, int c, const int bf16) {
@@ -190,15 +196,18 @@ static inline __attribute__((always_inline)) void scores8(
 }
 
 /* out_g += sum_t p_gt v_t over positions t0 .. t1 - 1, for `groups` query heads sharing one KV
- * head: the sums stay in registers across a tile, in out between tiles. */
+ * head: the sums stay in registers across the span, in out between spans. prefetch_bytes > 0:
+ * the rows `ahead` positions on are prefetched as it goes (the span is the whole context). */
 static inline __attribute__((always_inline)) void weighted_sum(
     float *out, const float *p, int64_t len, int64_t t0, int64_t t1, const char *v,
-    const int64_t *offsets, const int nv, const int groups, const int bf16) {
+    const int64_t *offsets, const int nv, const int groups, const int bf16, int64_t ahead,
+    int64_t prefetch_bytes) {
     __m512 acc[PS_GROUP_CHUNK][8];
     for (int g = 0; g < groups; g++)
         for (int c = 0; c < nv; c++) acc[g][c] = _mm512_loadu_ps(out + (g * nv + c) * 16);
     for (int64_t t = t0; t < t1; t++) {
         const char *row = v + offsets[t];
+        if (prefetch_bytes && t + ahead < len) prefetch_row(v + offsets[t + ahead], prefetch_bytes);
         for (int c = 0; c < nv; c++) {
             __m512 vc = load16(row, c, bf16);
             for (int g = 0; g < groups; g++)
@@ -215,8 +224,6 @@ static inline void prefetch_rows(const char *base, const int64_t *offsets, int64
     for (int64_t t = t0; t < t1 && t < len; t++) prefetch_row(base + offsets[t], bytes);
 }
 
-#define PS_TILE 8 /* scores8's positions */
-#define PS_AHEAD (2 * PS_TILE)
 
 static inline __attribute__((always_inline)) void attend512(
     float *restrict out, const float *restrict q, const void *k, const void *v, const int32_t *table,
@@ -229,9 +236,11 @@ static inline __attribute__((always_inline)) void attend512(
         int64_t pos = first + t;
         offsets[t] = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row_stride * elem;
     }
-    prefetch_rows(k, offsets, 0, PS_AHEAD, len, task_bytes);
+    int64_t ahead_rows = PS_AHEAD_BYTES / task_bytes;
+    if (ahead_rows < PS_TILE) ahead_rows = PS_TILE;
+    prefetch_rows(k, offsets, 0, ahead_rows, len, task_bytes);
     for (int64_t t0 = 0; t0 < len; t0 += PS_TILE) {
-        int64_t ahead = t0 + PS_AHEAD;
+        int64_t ahead = t0 + ahead_rows;
         if (ahead + PS_TILE > len)  /* the last K tiles: V's first rows next */
             prefetch_rows(v, offsets, t0 == 0 ? 0 : ahead - len, ahead + PS_TILE - len, len,
                           task_bytes);
@@ -251,19 +260,22 @@ static inline __attribute__((always_inline)) void attend512(
     }
     softmax_rows(scores, kv_heads * group, len, soft_cap);
     memset(out, 0, (size_t)(kv_heads * group * 16 * nv) * sizeof *out);
-    for (int64_t t0 = 0; t0 < len; t0 += PS_TILE) {
-        int64_t t1 = t0 + PS_TILE < len ? t0 + PS_TILE : len, ahead = t0 + PS_AHEAD;
+    /* One KV head: its rows are read once whatever the order, so one span, prefetching inside. */
+    int64_t span = kv_heads == 1 ? len : PS_TILE, inside = kv_heads == 1 ? task_bytes : 0;
+    for (int64_t t0 = 0; t0 < len; t0 += span) {
+        int64_t t1 = t0 + span < len ? t0 + span : len, ahead = t0 + ahead_rows;
         for (int64_t h = 0; h < kv_heads; h++) {
             const char *vh = (const char *)v + h * head_bytes;
-            prefetch_rows(v, offsets, ahead + h * PS_TILE / kv_heads,
-                          ahead + (h + 1) * PS_TILE / kv_heads, len, task_bytes);
+            if (!inside)
+                prefetch_rows(v, offsets, ahead + h * PS_TILE / kv_heads,
+                              ahead + (h + 1) * PS_TILE / kv_heads, len, task_bytes);
             for (int64_t g0 = 0; g0 < group; g0 += PS_GROUP_CHUNK) {
                 int64_t j = h * group + g0, n = group - g0 < PS_GROUP_CHUNK ? group - g0 : PS_GROUP_CHUNK;
                 float *o = out + j * 16 * nv;
                 const float *p = scores + j * len;
-                if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16);
-                else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16);
-                else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16);
+                if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, inside);
+                else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, inside);
+                else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, inside);
             }
         }
     }
