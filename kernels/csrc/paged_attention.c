@@ -224,7 +224,6 @@ static inline void prefetch_rows(const char *base, const int64_t *offsets, int64
     for (int64_t t = t0; t < t1 && t < len; t++) prefetch_row(base + offsets[t], bytes);
 }
 
-
 static inline __attribute__((always_inline)) void attend512(
     float *restrict out, const float *restrict q, const void *k, const void *v, const int32_t *table,
     int64_t first, int64_t seq_len, int64_t block_size, int64_t row_stride, int64_t kv_heads,
@@ -273,9 +272,10 @@ static inline __attribute__((always_inline)) void attend512(
                 int64_t j = h * group + g0, n = group - g0 < PS_GROUP_CHUNK ? group - g0 : PS_GROUP_CHUNK;
                 float *o = out + j * 16 * nv;
                 const float *p = scores + j * len;
-                if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, inside);
-                else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, inside);
-                else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, inside);
+                int64_t pf = g0 == 0 ? inside : 0;  /* the first query heads' pass fetches */
+                if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, pf);
+                else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, pf);
+                else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, pf);
             }
         }
     }
