@@ -259,20 +259,22 @@ static inline __attribute__((always_inline)) void attend512(
     }
     softmax_rows(scores, kv_heads * group, len, soft_cap);
     memset(out, 0, (size_t)(kv_heads * group * 16 * nv) * sizeof *out);
-    /* One KV head: its rows are read once whatever the order, so one span, prefetching inside. */
-    int64_t span = kv_heads == 1 ? len : PS_TILE, inside = kv_heads == 1 ? task_bytes : 0;
+    /* One KV head: its rows are read once whatever the order, so one span, and weighted_sum
+     * prefetches as it goes (span_prefetch bytes a row); else tiles, prefetched here. */
+    int single = kv_heads == 1;
+    int64_t span = single ? len : PS_TILE, span_prefetch = single ? task_bytes : 0;
     for (int64_t t0 = 0; t0 < len; t0 += span) {
         int64_t t1 = t0 + span < len ? t0 + span : len, ahead = t0 + ahead_rows;
         for (int64_t h = 0; h < kv_heads; h++) {
             const char *vh = (const char *)v + h * head_bytes;
-            if (!inside)
+            if (!single)
                 prefetch_rows(v, offsets, ahead + h * PS_TILE / kv_heads,
                               ahead + (h + 1) * PS_TILE / kv_heads, len, task_bytes);
             for (int64_t g0 = 0; g0 < group; g0 += PS_GROUP_CHUNK) {
                 int64_t j = h * group + g0, n = group - g0 < PS_GROUP_CHUNK ? group - g0 : PS_GROUP_CHUNK;
                 float *o = out + j * 16 * nv;
                 const float *p = scores + j * len;
-                int64_t pf = g0 == 0 ? inside : 0;  /* the first query heads' pass fetches */
+                int64_t pf = g0 == 0 ? span_prefetch : 0;  /* the first query heads' pass fetches */
                 if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, pf);
                 else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, pf);
                 else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, pf);
