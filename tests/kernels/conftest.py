@@ -33,3 +33,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def restore_available(monkeypatch):
+    """For tests that re-evaluate native.available() under an environment set with monkeypatch."""
+    from kernels import native  # not at the top: the Triton setting above must come first
+
+    native.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    native.available.cache_clear()
+    assert native.available()
