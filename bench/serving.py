@@ -7,7 +7,7 @@ random prompts, `ignore_eos`, streamed chat completions, at each point of a swee
 TTFT / TPOT / ITL p50 and p99, and pagedserve / vLLM ratios; writes bench/results/serving.json and
 serving.png.
 
-    python -m bench.serving [--model DIR|tiny] [--threads 1] [--replicas 1] [--num-prompts 32] [--input-len 128] [--output-len 64]
+    python -m bench.serving [--model DIR|tiny] [--threads 1] [--replicas 1] [--engine-threads N] [--num-prompts 32] [--input-len 128] [--output-len 64]
                             [--request-rates 1,4,inf] [--concurrency 1,8,32] [--systems pagedserve,vllm]
                             [--rounds 1]
 """
@@ -80,7 +80,8 @@ class Server:
 def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
     """`serve run serve_app:app key=value ...`, as the README serves."""
     settings = {"model": model_dir, "dtype": args.dtype, "num_replicas": args.replicas,
-                "num_threads": args.threads // args.replicas, "max_num_seqs": args.max_num_seqs,
+                "num_threads": args.engine_threads or args.threads // args.replicas,
+                "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "kv_cache_memory_gb": args.kv_cache_gb, "host": "127.0.0.1", "port": port,
                 "direct_http": args.pagedserve_http == "direct"}
@@ -254,6 +255,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads / cores for each server")
     parser.add_argument("--replicas", type=int, default=1,
                         help="pagedserve engine replicas, sharing --threads between them")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="pagedserve's torch threads per replica (default: --threads / "
+                             "--replicas); fewer leave the rest of the cores to its serving "
+                             "processes, off the engine's CPUs (cpu_bind=auto)")
     parser.add_argument("--systems", default="pagedserve,vllm")
     parser.add_argument("--pagedserve-http", choices=("direct", "proxy"), default="direct",
                         help="pagedserve's HTTP from its ingress replicas, or Ray Serve's proxy")
@@ -276,6 +281,8 @@ def main() -> None:
 
     if args.replicas < 1 or args.threads % args.replicas:
         parser.error("--threads must be a multiple of --replicas")
+    if args.engine_threads is not None and not 1 <= args.engine_threads * args.replicas <= args.threads:
+        parser.error("--engine-threads x --replicas must be between 1 and --threads")
     from replicas.default_model import resolve_model
     if args.model == "tiny":
         from bench.serving_overhead import build_tiny

@@ -196,6 +196,7 @@ def main() -> None:
     from ray import serve
     from transformers import AutoTokenizer
 
+    from replicas import cpu_binding
     from replicas.default_model import resolve_model
     from serve_app import build_app
     from serve_app.app import start_serve
@@ -221,8 +222,14 @@ def main() -> None:
             args.seed = base_seed + round_
             requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
             offline_rounds.append(run_offline(sys.argv[1:], args.seed))
-            serving = asyncio.run(run_serving_round(f"http://127.0.0.1:{port}", model, requests,
-                                                    args.concurrency))
+            # The load generator stands in for clients elsewhere: off the engine cores' CPUs
+            # while it runs (as the serving processes are), on all of them for the offline child.
+            cpu_binding.keep_off_engine_cpus()
+            try:
+                serving = asyncio.run(run_serving_round(f"http://127.0.0.1:{port}", model,
+                                                        requests, args.concurrency))
+            finally:
+                cpu_binding.restore()
             serving["identical_texts"] = sum(a == b for a, b in zip(offline_rounds[-1]["texts"],
                                                                     serving["texts"]))
             serving_rounds.append(serving)

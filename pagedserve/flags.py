@@ -151,6 +151,10 @@ MEANINGS: dict[str, str] = {
     "device": "Where the engine runs; auto: CUDA when present, else CPU",
     "attention_backend": "Paged attention implementation: auto, torch (CPU), triton (CUDA), reference",
     "num_threads": "torch threads per engine (and Ray CPUs per CPU replica)",
+    "cpu_bind": ("CPUs a served CPU replica's engine core runs on: auto (as many as its threads, "
+                 "of those no other core on the node holds; the ingress and replica processes "
+                 "keep off them), off, or a list such as 0-3 (vLLM-CPU's "
+                 "VLLM_CPU_OMP_THREADS_BIND)"),
     "max_logprobs": "Most logprobs a request may ask for per token",
     "api_keys": "Accepted bearer keys; empty: no auth (also PAGEDSERVE_API_KEYS)",
     "max_request_body_bytes": "Largest request body in bytes (413 beyond)",

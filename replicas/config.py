@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from replicas import cpu_binding
 
 DEFAULTS = dict(
     block_size=16,
@@ -51,6 +53,11 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU; None: leave as is
+    # The CPUs a served replica's engine core runs on (replicas/cpu_binding.py; vLLM-CPU's
+    # VLLM_CPU_OMP_THREADS_BIND): "auto" (CPUs no other core on the node holds, on CPU devices),
+    # "off", or a list such as "0-3". The offline LLM runs in the caller's process and leaves its
+    # affinity alone, as does a tensor-parallel replica (its engine steps in the replica's process).
+    cpu_bind: str = "auto"
     # Ranks one replica's model is split over (vLLM's name): heads, MLP rows and vocabulary are
     # sharded (replicas/parallel); on CPU each rank gets num_threads / tensor_parallel_size threads.
     tensor_parallel_size: int = Field(1, ge=1)
@@ -62,9 +69,17 @@ class EngineConfig(BaseModel):
     # averaged (then normalized). None: it only generates. Encoders pool as their checkpoint says.
     pooling: Literal["last", "mean"] | None = None
 
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, value: str) -> str:
+        return cpu_binding.check_spec(value)
+
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len without chunked prefill")
+        if self.cpu_bind not in ("auto", "off") and self.tensor_parallel_size > 1:
+            raise ValueError("cpu_bind: a CPU list binds one process; tensor-parallel ranks are "
+                             "separate processes (use auto or off)")
         return self

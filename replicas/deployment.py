@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicas import cache_digest
+from replicas import cache_digest, cpu_binding
 from replicas.config import EngineConfig
 from replicas.embedding_model import uses_encoder
 from replicas.engine_core_client import DeliveredOnChannel
@@ -140,6 +140,9 @@ class EngineReplica:
             from replicas.async_engine import AsyncEngine
             engine_class = AsyncEngine
         self.engine = engine_class(config)
+        # This process carries an engine core's tokens: off the CPUs the cores run on (the core
+        # bound itself before it was ready).
+        cpu_binding.keep_off_engine_cpus()
         self.config = config
         self.replica_id = _replica_id()
         self.stall_timeout_s = stall_timeout_s

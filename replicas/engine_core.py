@@ -16,6 +16,7 @@ The process ends when its socket closes (the replica is gone) or on `STOP`.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import sys
@@ -23,6 +24,7 @@ import time
 import traceback
 
 from replicas import core_wire as wire
+from replicas import cpu_binding
 from replicas.cache_digest import RoutingReporter
 from replicas.config import EngineConfig
 from replicas.core_channels import CoreChannels
@@ -82,6 +84,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         from replicas.engine import LLMEngine
         self.engine = LLMEngine(config)
+        self.cpus = _bind(config, self.engine)
         self.last_generation_time: float | None = None
         self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
         self._errors: list[tuple[str, BaseException]] = []
@@ -101,7 +104,8 @@ class EngineCore:
         channels = self.channels
         return {**self.engine.stats(), "last_generation_time": self.last_generation_time,
                 "core_channels": channels.num_subscribers if channels else 0,
-                "core_channel_outputs": channels.num_outputs if channels else 0}
+                "core_channel_outputs": channels.num_outputs if channels else 0,
+                "engine_cpus": self.cpus}
 
     # -- calls the replica makes -----------------------------------------------------------------
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
@@ -205,6 +209,22 @@ class EngineCore:
                        done))
 
 
+def _bind(config: EngineConfig, engine) -> list[int]:
+    """Bind this process to the CPUs config.cpu_bind names (`replicas/cpu_binding.py`); which."""
+    if config.cpu_bind == "auto" and engine.runner.device.type != "cpu":
+        return []
+    import torch
+    try:
+        cpus = cpu_binding.claim(config.cpu_bind, torch.get_num_threads())
+    except OSError as exc:  # the node's claims cannot be read: run unbound rather than not at all
+        logger.warning("engine core not bound to CPUs: %s", exc)
+        return []
+    if cpus:
+        cpu_binding.bind(cpus)
+        logger.info("engine core %d bound to CPUs %s", os.getpid(), cpus)
+    return cpus
+
+
 def main(fd: int) -> int:
     logging.basicConfig(level=logging.WARNING)  # quiet, as the replica's own logs are
     conn = _Socket(socket.socket(fileno=fd))
@@ -230,6 +250,9 @@ def main(fd: int) -> int:
         except OSError:
             pass
         return 1
+    finally:
+        if core.cpus:
+            cpu_binding.release()
     return 0
 
 

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from replicas import core_wire
+from replicas import core_wire, cpu_binding
 from replicas.deployment import ChannelRequest, EngineReplicaDead, ReplicaHello
 from replicas.errors import StepFailed
 from replicas.output_channel import ChannelClosed
@@ -108,6 +108,7 @@ class OutputChannels:
             logger.debug("engine core of replica %s unreachable (%r): channel by Ray",
                          replica_id, exc)
             return await self._pump(replica_id)
+        cpu_binding.keep_off_engine_cpus()  # this ingress carries the core's tokens: not on its CPUs
         try:
             writer.write(core_wire.channel_hello(token, self.channel_id))
             frames = core_wire.FrameReader()

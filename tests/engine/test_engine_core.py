@@ -12,6 +12,7 @@ import pytest
 
 from replicas import LLM, SamplingParams
 from replicas import core_wire as wire
+from replicas import cpu_binding
 from replicas.config import EngineConfig
 from replicas.engine_client import EngineDeadError
 from replicas.engine_core_client import EngineCoreClient
@@ -108,6 +109,27 @@ def test_a_core_that_dies_fails_the_requests_it_held(tiny_model_dir):
         client.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_core_runs_on_the_cpus_it_claimed_and_gives_them_back(tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    claims = tmp_path / "cpus.json"
+    monkeypatch.setenv("PAGEDSERVE_CPU_CLAIMS", str(claims))  # the core's, as read at its import
+    monkeypatch.setattr(cpu_binding, "CLAIMS_PATH", claims)
+    model_dir = str(tiny_model_dir("llama"))
+    ours = sorted(os.sched_getaffinity(0))
+    for spec, bound in (("auto", ours[-1:]), (str(ours[0]), ours[:1])):  # "off": a unit test's
+        client = EngineCoreClient(config(model_dir, num_threads=1, cpu_bind=spec))
+        try:
+            pid = client.stats()["engine_pid"]
+            threads = {tuple(sorted(os.sched_getaffinity(int(tid))))
+                       for tid in os.listdir(f"/proc/{pid}/task")}
+            assert threads == {tuple(bound)}, spec
+            assert client.stats()["engine_cpus"] == bound
+            assert cpu_binding.engine_cpus() == set(bound)
+        finally:
+            client.shutdown()
+        assert cpu_binding.engine_cpus() == set()  # released as it stopped (or dropped: it is gone)
 
 
 def test_a_core_that_cannot_load_says_why(tmp_path):
