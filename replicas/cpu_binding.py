@@ -2,9 +2,11 @@
 
 Unbound, an engine core shares its CPUs with the processes that carry its tokens (the ingress,
 the replica's shim, the client): the kernel wakes them on the core's CPU, and the core, runnable,
-waits. Measured (Zen 5, 2 cores, tiny model, 1 replica x 1 thread, 32 streams): served/offline
-0.53 unbound, 0.92 with the core alone on one CPU and everything else on the other. vLLM-CPU
-binds its engine's OpenMP threads the same way (VLLM_CPU_OMP_THREADS_BIND).
+waits. Measured (Zen 5, 2 cores, tiny model, 1 replica x 1 thread, 32 streams of 128 tokens):
+served/offline 0.57-0.58 unbound, 0.67-0.74 bound (0.92 with Ray's own processes moved off the
+core's CPU too, by hand); the core bound but the serving processes let onto its CPU, as vLLM-CPU
+binds its engine (VLLM_CPU_OMP_THREADS_BIND), 0.59-0.62. The cost: serving processes that need
+more than the CPUs left to them (short requests on 2 cores) wait longer (README, Benchmarks).
 
 `EngineConfig.cpu_bind`: "auto" claims as many CPUs as the core has torch threads among those no
 other engine core on this node holds, highest-numbered first (CPU 0 takes most of the system's
