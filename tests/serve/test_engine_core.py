@@ -41,6 +41,36 @@ def test_the_engine_in_a_thread_serves_the_same_tokens(apps):
     assert stats["engine_pid"] != os.getpid() and stats["num_generation_tokens"] >= 24
 
 
+def test_the_core_runs_on_the_cpus_it_claimed_and_its_ingress_keeps_off_them(apps):
+    from replicas import cpu_binding
+    body = {**GREEDY, "prompt": "on which cpus", "max_tokens": 4}
+    assert httpx.post(f"{apps['core']}/v1/completions", json=body, timeout=60).status_code == 200
+    (stats,) = replica_stats("core", 1).values()
+    ours = set(os.sched_getaffinity(0))
+    claimed = cpu_binding.engine_cpus()  # every core's on this node: the main app's too
+    # auto binds only where enough CPUs were free when the core started (the main app's two
+    # cores may hold both of a 2-CPU machine's): then it holds what it claimed, else nothing.
+    cpus = set(stats["engine_cpus"])
+    assert cpus <= claimed
+    threads = {frozenset(os.sched_getaffinity(int(tid)))
+               for tid in os.listdir(f"/proc/{stats['engine_pid']}/task")}
+    assert threads == {frozenset(cpus or ours)}
+    ingress = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+               and _cmdline(int(pid)).startswith("ray::ServeReplica:core:Ingress")]
+    assert ingress, "the core app's ingress replica process"
+    # It has opened its channel to the core (the request above): off every claimed CPU, or on
+    # all where the cores hold every one.
+    assert set(os.sched_getaffinity(ingress[0])) == (ours - claimed or ours)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_dead_engine_core_fails_its_streams_and_the_replica_is_replaced(apps):
     url = apps["core"]
     body = {**GREEDY, "max_tokens": 480, "stream": True}

@@ -3,6 +3,7 @@ share without overlap and that free up when their holder dies, and serving proce
 off the claimed CPUs and back."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -112,7 +113,7 @@ def test_a_serving_process_keeps_off_claimed_cpus_and_goes_back_once_they_are_fr
         """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout
-    assert eval(out) == {"kept_off": cpus[:-1], "thread": cpus[:-1], "back": cpus}
+    assert ast.literal_eval(out) == {"kept_off": cpus[:-1], "thread": cpus[:-1], "back": cpus}
 
 
 def test_a_torn_claims_file_starts_over(claims_path):
