@@ -131,21 +131,23 @@ def _set_affinity(cpus: set[int]) -> None:
 
 @contextlib.contextmanager
 def _claims() -> Iterator[dict]:
-    """The node's claims, locked; live holders only; written back as the block leaves."""
+    """The node's claims, locked; live holders only; written back as the block leaves, where
+    they changed (a holder came, went or died)."""
     CLAIMS_PATH.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(CLAIMS_PATH, os.O_RDWR | os.O_CREAT, 0o666)
     with os.fdopen(fd, "r+") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
         try:
-            claims = json.loads(file.read() or "{}")
+            stored = json.loads(file.read() or "{}")
         except ValueError:  # torn by a writer that died mid-write: start over
-            claims = {}
-        claims = {pid: claim for pid, claim in claims.items()
+            stored = None
+        claims = {pid: claim for pid, claim in (stored or {}).items()
                   if _start_time(int(pid)) == claim.get("start")}
         yield claims
-        file.seek(0)
-        file.truncate()
-        file.write(json.dumps(claims))
+        if claims != stored:  # readers leave an unchanged file alone
+            file.seek(0)
+            file.truncate()
+            file.write(json.dumps(claims))
 
 
 def _start_time(pid: int) -> str | None:

@@ -116,6 +116,12 @@ def test_a_serving_process_keeps_off_claimed_cpus_and_goes_back_once_they_are_fr
     assert ast.literal_eval(out) == {"kept_off": cpus[:-1], "thread": cpus[:-1], "back": cpus}
 
 
+def test_reading_the_claims_leaves_an_unchanged_file_alone(claims_path):
+    claims_path.write_text(' { } ')  # valid, and not how a write would spell it
+    assert cpu_binding.engine_cpus() == set()
+    assert claims_path.read_text() == ' { } '
+
+
 def test_a_torn_claims_file_starts_over(claims_path):
     claims_path.write_text('{"12')
     assert cpu_binding.engine_cpus() == set()
