@@ -9,6 +9,7 @@ import os
 import signal
 
 import httpx
+import psutil
 import pytest
 
 from bench.common import free_port
@@ -55,20 +56,12 @@ def test_the_core_runs_on_the_cpus_it_claimed_and_its_ingress_keeps_off_them(app
     threads = {frozenset(os.sched_getaffinity(int(tid)))
                for tid in os.listdir(f"/proc/{stats['engine_pid']}/task")}
     assert threads == {frozenset(cpus or ours)}
-    ingress = [int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-               and _cmdline(int(pid)).startswith("ray::ServeReplica:core:Ingress")]
+    ingress = [p.pid for p in psutil.process_iter(["cmdline"])
+               if (p.info["cmdline"] or [""])[0].startswith("ray::ServeReplica:core:Ingress")]
     assert ingress, "the core app's ingress replica process"
     # It has opened its channel to the core (the request above): off every claimed CPU, or on
     # all where the cores hold every one.
     assert set(os.sched_getaffinity(ingress[0])) == (ours - claimed or ours)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            return file.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_dead_engine_core_fails_its_streams_and_the_replica_is_replaced(apps):
