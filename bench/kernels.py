@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from bench.common import geomean, max_error, time_call, time_interleaved, write_result
 from bench.cpu_ops import run_linear, run_linear_bf16, run_norm_act
-from kernels import native, reference, torch_attention
+from kernels import cpu_features, native, reference, torch_attention
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
 
@@ -111,6 +111,38 @@ def cpu_cases(quick: bool):
     return cases
 
 
+def run_prefill_bf16(args) -> list[dict]:
+    """bf16 prefill attention over a bf16 cache: the AVX512-BF16 tile (scores by vdpbf16ps) against
+    the AVX-512 level's, which widens queries and keys to fp32, in the same run."""
+    if not (native.available() and cpu_features.has_native_bf16()):
+        return []
+    from kernels import native_attention
+    print(f"\nbf16 prefill attention, {args.threads} thread(s); times in ms; x avx512 = the avx512 "
+          f"level's time / the avx512_bf16 level's")
+    print(f"{'case':38} {'avx512':>9} {'bf16':>9} {'x avx512':>8} {'err':>8}")
+    cases = [("8 prompts of 128", [(128, 128)] * 8), ("prefill 1024", [(1024, 1024)]),
+             ("2 chunks of 512 after 1024 cached", [(512, 1536)] * 2)]
+    rows = []
+    for name, seqs in cases:
+        b = Batch(seqs, args, torch.bfloat16, "cpu")
+        m, out = b.metadata, torch.empty_like(b.query)
+
+        def run(level):
+            native_attention.paged_prefill_attention(out, b.query, b.kv_cache, m.block_tables,
+                                                     m.seq_lens, m.query_start_loc, b.scale, level=level)
+            return out
+        err = max_error(run("avx512_bf16").float(),
+                        reference.paged_attention(b.query, b.kv_cache, b.metadata, b.scale).float())
+        t = time_interleaved({"avx512": lambda: run("avx512"), "bf16": lambda: run("avx512_bf16")},
+                             min_time_s=args.min_time)
+        rows.append(dict(kind="prefill_bf16", case=name, dtype="bfloat16", avx512_ms=t["avx512"] * 1e3,
+                         bf16_ms=t["bf16"] * 1e3, bf16_speedup_vs_avx512=t["avx512"] / t["bf16"],
+                         max_error=err))
+        print(f"{name:38} {t['avx512'] * 1e3:9.3f} {t['bf16'] * 1e3:9.3f} "
+              f"{t['avx512'] / t['bf16']:8.2f} {err:8.1e}", flush=True)
+    return rows
+
+
 def torch_path(query, kv_cache, metadata, scale):
     """The torch fast path with float32 decodes kept off the native kernel: its baseline."""
     return torch_attention.paged_attention(query, kv_cache, metadata, scale, use_native=False)
@@ -165,6 +197,8 @@ def run_cpu(args) -> None:
             rows.append(dict(kind="store_kv", case=name, dtype=dtype_name, reference_ms=t_ref * 1e3,
                              torch_ms=t_fast * 1e3, speedup_vs_reference=t_ref / t_fast))
             print(f"{name:38} {t_ref * 1e3:10.3f} {t_fast * 1e3:9.3f} {'':>9} {'':>8} {t_ref / t_fast:7.2f}")
+    if "bfloat16" in args.dtype and "attention" in args.ops:
+        rows += run_prefill_bf16(args)
     if "float32" in args.dtype and native.available() and "norm_act" in args.ops:
         rows += run_norm_act(args)
     if "float32" in args.dtype and "linear" in args.ops:
