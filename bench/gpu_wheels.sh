@@ -11,7 +11,7 @@ MODE=download
 WITH_MODEL=0
 PIP=${PIP:-python -m pip}
 PLATFORM_ARGS=(--only-binary=:all: --implementation cp --python-version 3.12 --abi cp312
-               --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+               --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
                --platform manylinux2014_x86_64)
 
 usage() {
