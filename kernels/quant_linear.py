@@ -3,8 +3,8 @@ into the layout of csrc/gemm_q.h, then x . W^T computed in float32 with W dequan
 (kernels.reference.quant_linear is the spec).
 
 Panels are as wide as the fp32 GEMM's at the same CPU level (48 columns on AVX-512, 16 on AVX2),
-so a packed layout belongs to the level that packed it and linear() picks the kernel by the panel
-width it gets (as kernels/native_linear.py does). Where the native kernel cannot run (no AVX2 and
+so a packed layout belongs to the level that packed it, and the packing keeps that level's kernel
+(two levels can share a panel width and differ in code). Where the native kernel cannot run (no AVX2 and
 FMA, no compiler) pack() dequantizes to float32 once and the projection runs on
 kernels.cpu_linear's paths: everything works, without the bytes saved.
 
@@ -31,6 +31,13 @@ down 49 -> 27, lm_head (int8) 1.54 -> 1.22 ms; in the engine, at 1 thread on the
 ~21-23 against ~23-26 CPU-ms per decode step. Not token-exact: greedy on the default model (8 chat
 prompts x 64 tokens) kept 135 / 512 tokens of the float path's (3 prompts differ at the first);
 the lm_head alone on int8 kept 512 / 512.
+
+bf16 rows past decode's few, on AVX512-BF16 (csrc/gemm_q.c's Q_PAIRS): the dequantized panel is
+rounded to bf16 pairs and multiplied on vdpbf16ps. Measured 2026-12-04 on a 2-core Zen 4 EPYC, 2
+threads, the 30 layers' int4 g32 projections in bf16, medians of 7, against the same build at the
+avx512 level (fp32 scratch panel) in alternating processes: 64 rows 68-69 -> 41-45 ms (1.5-1.7x),
+256 rows 261-263 -> 144-164 ms (1.6-1.8x); the default model as shipped (Q4_1), dtype bfloat16,
+prefilling 64 x 256 tokens: 828-855 -> 1,428-1,449 tok/s.
 """
 from __future__ import annotations
 
@@ -48,9 +55,7 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 # Bits of the kernel's `dtypes` argument (csrc/gemm_q.h): which of out, x, bias are bf16, and
 # whether the scales and offsets are halves.
 _BF16_OUT, _BF16_X, _BF16_BIAS, _F16_SO = 1, 2, 4, 8
-_kernel_by_panel: dict[int, object] = {}  # panel width -> the pagedserve_quant_linear that packs it
 _i8_panels: dict[str, int] = {}  # level -> its int8-activation kernel's panel width (0: none)
-_i8_by_panel: dict[int, object] = {}  # panel width -> that pagedserve_quant_linear_i8
 # The activations of the native kernels: "float32" (the spec's arithmetic, the default) or "int8"
 # (csrc/gemm_q_i8.c, llama.cpp's scheme: faster, activations rounded per block of 32, so greedy
 # tokens can differ from the float path's; see int8_activation_reference).
@@ -77,6 +82,9 @@ class PackedQuant(NamedTuple):
     dense: cpu_linear.PackedWeight | None = None
     weight: torch.Tensor | None = None  # float32 [n, k], kept only where `dense` needs it
     args: tuple = ()  # the kernel's weight arguments (pointers, so's dtype), read once at pack
+    # The packing level's own function: levels that share a panel width differ in their code
+    # (AVX512-BF16 multiplies bf16 rows on vdpbf16ps, csrc/gemm_q.c's Q_PAIRS).
+    kernel: object = None
 
     @property
     def nbytes(self) -> int:
@@ -118,11 +126,10 @@ def pack(weight: QuantWeight, level: str | None = None, activations: str | None 
     if (activations or activations_setting()) == "int8" and weight.group_size % I8_BLOCK == 0:
         panel = _i8_kernel(level, lib)
         if panel:
-            return _pack_i8(weight, perm, panel)
+            return _pack_i8(weight, perm, panel, lib.pagedserve_quant_linear_i8)
     panel = lib.pagedserve_quant_linear_panel()
     if not panel:
         return _pack_dense(weight, perm)
-    _kernel_by_panel.setdefault(panel, lib.pagedserve_quant_linear)
     if weight.bits == 4 and weight.group_size % 2:  # a nibble pair would straddle two groups
         weight = weight.as_format(8, weight.group_size)
     bits, group_size = weight.bits, weight.group_size
@@ -137,7 +144,8 @@ def pack(weight: QuantWeight, level: str | None = None, activations: str | None 
     so = _halves_if_lossless(so.view(panels, panel, 2, -1).permute(0, 3, 2, 1).contiguous())
     args = (None if perm is None else perm.data_ptr(), q.data_ptr(), so.data_ptr(),
             _F16_SO if so.dtype is torch.float16 else 0)
-    return PackedQuant(f"q{bits}", n, k, perm, bits, group_size, panel, q, so, args=args)
+    return PackedQuant(f"q{bits}", n, k, perm, bits, group_size, panel, q, so, args=args,
+                       kernel=lib.pagedserve_quant_linear)
 
 
 def _i8_kernel(level: str | None, lib) -> int:
@@ -145,14 +153,11 @@ def _i8_kernel(level: str | None, lib) -> int:
     run (no AVX-512 level, or no VNNI)."""
     key = level or native.cpu_level()
     if key not in _i8_panels:
-        panel = lib.pagedserve_quant_linear_i8_panel()
-        if panel:
-            _i8_by_panel.setdefault(panel, lib.pagedserve_quant_linear_i8)
-        _i8_panels[key] = panel
+        _i8_panels[key] = lib.pagedserve_quant_linear_i8_panel()
     return _i8_panels[key]
 
 
-def _pack_i8(weight: QuantWeight, perm: torch.Tensor | None, panel: int) -> PackedQuant:
+def _pack_i8(weight: QuantWeight, perm: torch.Tensor | None, panel: int, kernel) -> PackedQuant:
     """The layout of csrc/gemm_q_i8.c: per panel, 4 vectors of 16 columns x 4 bytes of k."""
     n, k = weight.shape
     bits, group_size = weight.bits, weight.group_size
@@ -169,7 +174,7 @@ def _pack_i8(weight: QuantWeight, perm: torch.Tensor | None, panel: int) -> Pack
     so = torch.nn.functional.pad(so, (0, 0, 0, 0, 0, pad))
     so = _halves_if_lossless(so.view(panels, panel, 2, -1).permute(0, 3, 2, 1).contiguous())
     args = (q.data_ptr(), so.data_ptr(), int(so.dtype is torch.float16))
-    return PackedQuant(f"w{bits}a8", n, k, perm, bits, group_size, panel, q, so, args=args)
+    return PackedQuant(f"w{bits}a8", n, k, perm, bits, group_size, panel, q, so, args=args, kernel=kernel)
 
 
 def int8_activation_reference(x: torch.Tensor, weight: QuantWeight,
@@ -237,9 +242,6 @@ def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None = Non
         return out.to(dtype)
     if kind[0] == "w":
         return _linear_i8(x, packed, bias)
-    kernel = _kernel_by_panel.get(packed.panel)
-    if kernel is None:
-        raise ValueError(f"no loaded kernel packs panels of {packed.panel} columns")
     if x.stride(1) != 1:
         x = x.contiguous()
     dtypes = (_BF16_OUT | _BF16_X if dtype is _BF16 else 0) | (
@@ -247,7 +249,7 @@ def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None = Non
     rows = x.shape[0]
     out = torch.empty(rows, n, dtype=dtype)
     perm, q, so, so_bits = packed.args
-    _check(kernel(out.data_ptr(), x.data_ptr(), x.stride(0), perm, q, so,
+    _check(packed.kernel(out.data_ptr(), x.data_ptr(), x.stride(0), perm, q, so,
                   None if bias is None else bias.data_ptr(), dtypes | so_bits, packed.bits,
                   packed.group_size, rows, n, k, torch.get_num_threads()))
     return out
@@ -255,9 +257,6 @@ def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None = Non
 
 def _linear_i8(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """linear() on the int8-activation kernel, which takes float32 rows in stored-column order."""
-    kernel = _i8_by_panel.get(packed.panel)
-    if kernel is None:
-        raise ValueError(f"no loaded int8-activation kernel packs panels of {packed.panel} columns")
     dtype = x.dtype
     if packed.perm is not None:
         x = x[:, packed.perm]
@@ -267,8 +266,7 @@ def _linear_i8(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) 
         bias = bias.float()
     rows = x.shape[0]
     out = torch.empty(rows, packed.n, dtype=_F32)
-    _check(kernel(out.data_ptr(), x.data_ptr(), x.stride(0), *packed.args,
-                  None if bias is None else bias.data_ptr(), packed.bits, packed.group_size, rows,
-                  packed.n, packed.k,
-                  torch.get_num_threads()))
+    _check(packed.kernel(out.data_ptr(), x.data_ptr(), x.stride(0), *packed.args,
+                         None if bias is None else bias.data_ptr(), packed.bits, packed.group_size,
+                         rows, packed.n, packed.k, torch.get_num_threads()))
     return out if dtype is _F32 else out.to(dtype)

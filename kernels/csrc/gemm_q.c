@@ -10,9 +10,11 @@
  *   more rows: the panel is dequantized once (s * q + o, one FMA) into an fp32 scratch panel
  *     (k x Q_PANEL floats, in L2: 295 KB at k = 1536 on AVX-512) and an fp32 register tile of
  *     gemm.c's shape (8 x 48 on AVX-512, 6 x 16 on AVX2) runs every row tile over it, so the
- *     dequantization is amortised over the rows and the GEMM runs at the fp32 kernel's speed.
- * Threads split the panels. x rows that are bf16, or gathered through an act-order perm, are
- * converted to fp32 rows once per call. */
+ *     dequantization is amortised over the rows and the GEMM runs at the fp32 kernel's speed;
+ *     on AVX512-BF16 with bf16 rows (and k even), the scratch panel is rounded to bf16 pairs and
+ *     the tiles run on vdpbf16ps instead, at twice the multiply-adds per instruction (Q_PAIRS).
+ * Threads split the panels. x rows that are bf16 (off the pairs path), or gathered through an
+ * act-order perm, are converted to fp32 (or gathered as bf16) rows once per call. */
 #include "gemm_q.h"
 
 #include <stdlib.h>
@@ -63,6 +65,66 @@ static __attribute__((noinline)) void scratch_tile(
     Q_CASES(tile_rows(out, out_bf16, out_stride, x, x_stride, weights, k, mr_, cols, bias), Q_TILE_ROWS)
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* bf16 activations on AVX512-BF16: the dequantized panel is rounded to bf16 pairs and multiplied
+ * with vdpbf16ps (32 multiply-adds per instruction where an fp32 FMA does 16), fp32 sums, as
+ * csrc/gemm_bf16.c does for a bf16 checkpoint. Only the weights' rounding to bf16 (2^-9 relative,
+ * far below their 4- or 8-bit quantization) differs from the fp32 scratch path. */
+#define Q_PAIRS 1
+
+/* Rows 2i and 2i + 1 of an fp32 panel (k x Q_PANEL, k even) -> pair row i of a bf16 panel
+ * (k / 2 x Q_PANEL x 2): each column's two values side by side in one 32-bit lane. */
+static void pair_panel(uint16_t *dst, const float *src, int64_t k) {
+    for (int64_t i = 0; i < k; i += 2)
+        for (int c = 0; c < Q_PANEL; c += QV) {
+            const float *even = src + i * Q_PANEL + c, *odd = even + Q_PANEL;
+            __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(qv_load(even)));
+            __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(qv_load(odd)));
+            _mm512_storeu_si512(dst + (i / 2 * Q_PANEL + c) * 2,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+#define QP_ROW_DOT(r)                                                                       \
+    if (mr > r) {                                                                           \
+        int32_t pair;                                                                       \
+        memcpy(&pair, x + (r) * x_stride + 2 * i, sizeof pair);                             \
+        __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                                     \
+        c##r##0 = _mm512_dpbf16_ps(c##r##0, a, w0);                                         \
+        c##r##1 = _mm512_dpbf16_ps(c##r##1, a, w1);                                         \
+        c##r##2 = _mm512_dpbf16_ps(c##r##2, a, w2);                                         \
+    }
+
+/* `mr` bf16 rows of x (x_stride elements apart) against one bf16 pair panel (pairs x Q_PANEL x 2). */
+static inline __attribute__((always_inline)) void pair_tile_rows(
+    void *out, int out_bf16, int64_t out_stride, const uint16_t *x, int64_t x_stride,
+    const uint16_t *panel, int64_t pairs, const int mr, int64_t cols, const float *bias) {
+    Q_ROW_DECLARE(0) Q_ROW_DECLARE(1) Q_ROW_DECLARE(2) Q_ROW_DECLARE(3)
+    Q_ROW_DECLARE(4) Q_ROW_DECLARE(5) Q_ROW_DECLARE(6) Q_ROW_DECLARE(7)
+    for (int64_t i = 0; i < pairs; i++) {
+        const uint16_t *b = panel + i * 2 * Q_PANEL;
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(b), w1 = (__m512bh)_mm512_loadu_si512(b + 2 * QV),
+                 w2 = (__m512bh)_mm512_loadu_si512(b + 4 * QV);
+        QP_ROW_DOT(0) QP_ROW_DOT(1) QP_ROW_DOT(2) QP_ROW_DOT(3)
+        QP_ROW_DOT(4) QP_ROW_DOT(5) QP_ROW_DOT(6) QP_ROW_DOT(7)
+    }
+    Q_LOAD_BIAS
+    Q_ROW_STORE(0) Q_ROW_STORE(1) Q_ROW_STORE(2) Q_ROW_STORE(3)
+    Q_ROW_STORE(4) Q_ROW_STORE(5) Q_ROW_STORE(6) Q_ROW_STORE(7)
+}
+
+static __attribute__((noinline)) void pair_tile(
+    void *out, int out_bf16, int64_t out_stride, const uint16_t *x, int64_t x_stride,
+    const uint16_t *panel, int64_t pairs, int mr, int64_t cols, const float *bias) {
+    Q_CASES(pair_tile_rows(out, out_bf16, out_stride, x, x_stride, panel, pairs, mr_, cols, bias),
+            Q_TILE_ROWS)
+}
+#endif
+
+#ifndef Q_PAIRS
+#define Q_PAIRS 0
+#endif
+
 /* One panel's packed bytes -> its fp32 weights, k x Q_PANEL, for the scratch path. */
 static void dequantize_panel(float *dst, const uint8_t *q, const float *so, int64_t k,
                              int64_t group_size, int bits) {
@@ -112,6 +174,14 @@ static void gather_rows(float *dst, const void *x, int x_bf16, int64_t x_stride,
     }
 }
 
+/* bf16 x rows -> contiguous bf16 rows of k, column j taken from input channel perm[j]. */
+static void gather_rows_bf16(uint16_t *dst, const uint16_t *x, int64_t x_stride, const int64_t *perm,
+                             int64_t rows, int64_t k, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(ps_threads(rows * k, PS_GRAIN, num_threads))
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < k; j++) dst[r * k + j] = x[r * x_stride + perm[j]];
+}
+
 /* out: [rows, n] contiguous, fp32 or bf16 (dtypes); x: rows of k values x_stride elements apart;
  * perm: [k] input channel of each stored column (each in 0 .. k-1), or NULL; q, so: packed as
  * above; bias: [n] or NULL. Returns PS_BAD_QUANT_LAYOUT for a bits / group size the packing
@@ -125,16 +195,26 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
         return PS_BAD_QUANT_LAYOUT;
     if (rows == 0 || n == 0) return PS_OK;
     int out_bf16 = dtypes & PSQ_BF16_OUT, x_bf16 = dtypes & PSQ_BF16_X, so_f16 = dtypes & PSQ_F16_SO;
+    const int direct = rows <= Q_DIRECT_ROWS;
+    /* bf16 rows beyond decode's few: the bf16 pair panels (Q_PAIRS), x kept in bf16. */
+    const int paired = Q_PAIRS && !direct && x_bf16 && k % 2 == 0;
     float *converted = NULL;
     const float *xf = x;
-    if (perm || x_bf16) {
+    const uint16_t *x16 = x;
+    if (paired && perm) {
+        uint16_t *gathered = malloc((size_t)(rows * k) * sizeof *gathered);
+        if (!gathered) return PS_OUT_OF_MEMORY;
+        gather_rows_bf16(gathered, x, x_stride, perm, rows, k, num_threads);
+        converted = (float *)gathered;
+        x16 = gathered;
+        x_stride = k;
+    } else if (!paired && (perm || x_bf16)) {
         converted = malloc((size_t)(rows * k) * sizeof *converted);
         if (!converted) return PS_OUT_OF_MEMORY;
         gather_rows(converted, x, x_bf16, x_stride, perm, rows, k, num_threads);
         xf = converted;
         x_stride = k;
     }
-    const int direct = rows <= Q_DIRECT_ROWS;
     const int64_t groups = k / group_size, block = psq_fold_block(group_size, bits), blocks = k / block;
     float xsum[Q_DIRECT_ROWS * 64], *xsum_heap = NULL, *xs = xsum;  /* [rows, blocks] */
     if (direct) {
@@ -161,7 +241,8 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = direct ? NULL : malloc((size_t)(k * Q_PANEL) * sizeof *scratch);
+        float *scratch = direct ? NULL : malloc((size_t)(k * Q_PANEL) * (sizeof *scratch + paired * 2));
+        uint16_t *pairs = scratch ? (uint16_t *)(scratch + k * Q_PANEL) : NULL;
         /* Halves widen once per panel into floats the kernels read from L1. */
         float *so_floats = so_f16 ? malloc((size_t)(groups * 2 * Q_PANEL) * sizeof *so_floats) : NULL;
         if ((!direct && !scratch) || (so_f16 && !so_floats)) {
@@ -188,10 +269,20 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
                 panel_so = so_floats;
             }
             if (!direct) dequantize_panel(scratch, panel_q, panel_so, k, group_size, bits);
+#if Q_PAIRS
+            if (paired) pair_panel(pairs, scratch, k);
+#endif
             for (int64_t t = 0, r = 0; t < tiles; t++) {
                 int mr = (int)((rows - r + (tiles - t) - 1) / (tiles - t));
                 char *o = (char *)out + (size_t)(r * n + first_col) * (out_bf16 ? 2 : 4);
                 const float *xr = xf + r * x_stride, *pb = bias ? panel_bias : NULL;
+#if Q_PAIRS
+                if (paired) {
+                    pair_tile(o, out_bf16, n, x16 + r * x_stride, x_stride, pairs, k / 2, mr, cols, pb);
+                    r += mr;
+                    continue;
+                }
+#endif
                 if (!direct)
                     scratch_tile(o, out_bf16, n, xr, x_stride, scratch, k, mr, cols, pb);
                 else if (bits == 4)

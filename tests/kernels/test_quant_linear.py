@@ -92,6 +92,23 @@ def test_perm_bias_dtype_and_strided_rows(level, bits, rows, dtype):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("rows", [17, 64, 133])
+@pytest.mark.parametrize("perm", [False, True], ids=["inorder", "perm"])
+@pytest.mark.parametrize("k, group_size, bits", [(576, 32, 4), (1536, 128, 8), (45, 15, 8)])
+def test_bf16_rows_past_the_direct_path(level, rows, perm, k, group_size, bits):
+    """bf16 rows beyond decode's few take the bf16 pair panels on AVX512-BF16 (an even k; an odd
+    one stays on the fp32 scratch panel): the weights round to bf16 there, the sums stay fp32."""
+    weight = random_weight(50, k, bits, group_size, perm=perm, seed=rows + k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, 3:3 + k]  # strided rows
+    bias = torch.randn(50, generator=gen).bfloat16()
+    packed = quant_linear.pack(weight, level)
+    torch.set_num_threads(2)  # the autouse one_thread fixture restores it
+    assert_matches(quant_linear.linear(x, packed, bias), x, weight, bias)
+    assert_matches(quant_linear.linear(x.contiguous(), packed), x, weight)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_two_threads_split_the_panels(level, threads):
     weight = random_weight(960, 576, 4, 32)
