@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import max_error, time_interleaved
-from kernels import cpu_features, native, native_linear, norm_act, rotary, torch_attention
+from kernels import cpu_features, native, native_linear, native_norm_act, norm_act, rotary, torch_attention
 
 
 def run_norm_act(args) -> list[dict]:
@@ -29,16 +29,16 @@ def run_norm_act(args) -> list[dict]:
         out, act = torch.empty_like(x), torch.empty(tokens, inter)
         # The fused op works in place: on copies, so x and residual stay the torch formula's inputs.
         x2, residual2 = x.clone(), residual.clone()
-        native.fused_add_rms_norm(x2, residual2, weight, eps)
-        native.rms_norm(out, x, weight, eps)
-        native.silu_and_mul(act, gate_up)
+        native_norm_act.fused_add_rms_norm(x2, residual2, weight, eps)
+        native_norm_act.rms_norm(out, x, weight, eps)
+        native_norm_act.silu_and_mul(act, gate_up)
         cases = {
-            "rms_norm": (lambda: rms(x, weight, eps), lambda: native.rms_norm(out, x, weight, eps),
+            "rms_norm": (lambda: rms(x, weight, eps), lambda: native_norm_act.rms_norm(out, x, weight, eps),
                          max_error(out, rms(x, weight, eps))),
             "fused_add_rms_norm": (lambda: rms(x + residual, weight, eps),
-                                   lambda: native.fused_add_rms_norm(x2, residual2, weight, eps),
+                                   lambda: native_norm_act.fused_add_rms_norm(x2, residual2, weight, eps),
                                    max_error(x2, rms(x + residual, weight, eps))),
-            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: native.silu_and_mul(act, gate_up),
+            "silu_and_mul": (lambda: silu_and_mul(gate_up), lambda: native_norm_act.silu_and_mul(act, gate_up),
                              max_error(act, silu_and_mul(gate_up))),
         }
         cases["rotary_store_kv"] = _rotary_case(tokens, hidden)
@@ -63,10 +63,10 @@ def _rotary_case(tokens: int, hidden: int, head_dim: int = 64):
     args = (cos, sin, cache, slots, heads, kv_heads, head_dim)
     want = rotary.rotary_store_kv_reference(qkv, *args)
     got = qkv.clone()
-    native.rotary_store_kv(got, *args)
+    native_norm_act.rotary_store_kv(got, *args)
     err = max_error(rotary.split_qkv(got, heads, kv_heads, head_dim)[0], want)
     return (lambda: rotary.rotary_store_kv_reference(qkv, *args, store_kv=torch_attention.store_kv),
-            lambda: native.rotary_store_kv(got, *args), err)
+            lambda: native_norm_act.rotary_store_kv(got, *args), err)
 
 
 def run_linear(args) -> list[dict]:

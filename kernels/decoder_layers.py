@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import native, native_linear
+from kernels import native, native_linear, native_norm_act
 from kernels.cpu_linear import PackedWeight
 from kernels.metadata import AttentionMetadata
 from kernels.quant_linear import _BF16_BIAS, _BF16_OUT, _BF16_X, PackedQuant
@@ -93,7 +93,7 @@ class DecoderStack:
         step = self._step
         step[_LAYERS], step[_HIDDEN], step[_HEADS] = len(layers), hidden_size, num_heads
         step[_KV_HEADS], step[_HEAD_DIM], step[_INTER] = num_kv_heads, head_dim, intermediate_size
-        step[_NORM_DTYPES] = native.norm_dtypes(dtype, layers[0].input_norm.dtype)
+        step[_NORM_DTYPES] = native_norm_act.norm_dtypes(dtype, layers[0].input_norm.dtype)
         self._kv_list: list[torch.Tensor] | None = None
         self._kv = array.array("q", [0] * len(layers))
         self._kv_bf16 = 0
@@ -108,7 +108,7 @@ class DecoderStack:
         widths = {"qkv": (q_size + 2 * shape["num_kv_heads"] * shape["head_dim"], hidden),
                   "o": (hidden, q_size), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         norm_dtype = layers[0].input_norm.dtype
-        if native.norm_dtypes(dtype, norm_dtype) is None:
+        if native_norm_act.norm_dtypes(dtype, norm_dtype) is None:
             return None
         for layer in layers:
             for norm in (layer.input_norm, layer.post_norm):

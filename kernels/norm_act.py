@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, native_norm_act
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -21,7 +21,7 @@ def _native(x: torch.Tensor) -> bool:
 
 
 def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _native(x) and native.norm_dtypes(x.dtype, weight.dtype) is not None and weight.is_contiguous()
+    return _native(x) and native_norm_act.norm_dtypes(x.dtype, weight.dtype) is not None and weight.is_contiguous()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,11 +40,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is None:
         if _native_norm(x, weight):
             out = torch.empty_like(x)
-            native.rms_norm(out, x, weight, eps)
+            native_norm_act.rms_norm(out, x, weight, eps)
             return out
         return rms_norm_reference(x, weight, eps)
     if _native_norm(x, weight) and _native(residual) and residual.dtype == x.dtype:
-        native.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        native_norm_act.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
     residual = x + residual
     return rms_norm_reference(residual, weight, eps), residual
@@ -60,6 +60,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] = [gate | up] -> silu(gate) * up."""
     if _native(x):
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype)
-        native.silu_and_mul(out, x)
+        native_norm_act.silu_and_mul(out, x)
         return out
     return silu_and_mul_reference(x)

@@ -3,7 +3,7 @@ test_native_build.py)."""
 import pytest
 import torch
 
-from kernels import native, native_attention, norm_act, reference, torch_attention
+from kernels import native, native_attention, native_norm_act, norm_act, reference, torch_attention
 from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 
 if not native.available():
@@ -187,14 +187,14 @@ def test_rms_norm(shape):
     eps = 1e-5
     expected = norm_act.rms_norm_reference(x, weight, eps)
     out = torch.empty_like(x)
-    native.rms_norm(out, x, weight, eps)
+    native_norm_act.rms_norm(out, x, weight, eps)
     assert_close(out, expected, torch.float32)
 
     residual = torch.randn(shape, generator=gen)
     new_residual = residual + x
     expected = norm_act.rms_norm_reference(new_residual, weight, eps)
     x = x.clone()
-    native.fused_add_rms_norm(x, residual, weight, eps)
+    native_norm_act.fused_add_rms_norm(x, residual, weight, eps)
     assert_close(residual, new_residual, torch.float32)
     assert_close(x, expected, torch.float32)
 
@@ -205,7 +205,7 @@ def test_silu_and_mul(shape):
     x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen) * 4
     x.view(-1)[:8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 200.0, -200.0])[:x.numel()]
     out = torch.empty(shape)
-    native.silu_and_mul(out, x)
+    native_norm_act.silu_and_mul(out, x)
     assert_close(out, norm_act.silu_and_mul_reference(x), torch.float32)
 
 
@@ -215,8 +215,8 @@ def test_threads_agree_norm_act():
     for threads in (1, 2):
         torch.set_num_threads(threads)
         out, act = torch.empty_like(x), torch.empty(300, 500)
-        native.rms_norm(out, x, weight, 1e-6)
-        native.silu_and_mul(act, x)
+        native_norm_act.rms_norm(out, x, weight, 1e-6)
+        native_norm_act.silu_and_mul(act, x)
         outs.append((out, act))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -241,18 +241,18 @@ def test_bad_inputs_raise():
     assert_each_raises(native_attention.paged_decode_attention, args, bad)
 
     x, weight = torch.randn(4, 64), torch.randn(64)
-    for call in [lambda: native.rms_norm(torch.empty_like(x), x.double(), weight.double(), 1e-6),
-                 lambda: native.rms_norm(torch.empty(64, 4).t(), x, weight, 1e-6),
-                 lambda: native.rms_norm(torch.empty_like(x), x.t(), weight, 1e-6),
-                 lambda: native.rms_norm(torch.empty_like(x), x, torch.randn(32), 1e-6),
-                 lambda: native.rms_norm(torch.empty(4, 32), x, weight, 1e-6),
-                 lambda: native.fused_add_rms_norm(x, torch.randn(4, 32), weight, 1e-6),
-                 lambda: native.fused_add_rms_norm(x, torch.randn(64, 4).t(), weight, 1e-6),
-                 lambda: native.fused_add_rms_norm(x.half(), x.half(), weight, 1e-6),
-                 lambda: native.silu_and_mul(torch.empty(4, 32), x.double()),
-                 lambda: native.silu_and_mul(torch.empty(4, 31), x),
-                 lambda: native.silu_and_mul(torch.empty(3, 32), x),
-                 lambda: native.silu_and_mul(torch.empty(4, 32), torch.randn(64, 4).t())]:
+    for call in [lambda: native_norm_act.rms_norm(torch.empty_like(x), x.double(), weight.double(), 1e-6),
+                 lambda: native_norm_act.rms_norm(torch.empty(64, 4).t(), x, weight, 1e-6),
+                 lambda: native_norm_act.rms_norm(torch.empty_like(x), x.t(), weight, 1e-6),
+                 lambda: native_norm_act.rms_norm(torch.empty_like(x), x, torch.randn(32), 1e-6),
+                 lambda: native_norm_act.rms_norm(torch.empty(4, 32), x, weight, 1e-6),
+                 lambda: native_norm_act.fused_add_rms_norm(x, torch.randn(4, 32), weight, 1e-6),
+                 lambda: native_norm_act.fused_add_rms_norm(x, torch.randn(64, 4).t(), weight, 1e-6),
+                 lambda: native_norm_act.fused_add_rms_norm(x.half(), x.half(), weight, 1e-6),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(4, 32), x.double()),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(4, 31), x),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(3, 32), x),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(4, 32), torch.randn(64, 4).t())]:
         with pytest.raises(ValueError):
             call()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import (cpu_features, native, native_argmax, native_attention, norm_act, reference,
-                     torch_attention)
+from kernels import (cpu_features, native, native_argmax, native_attention, native_norm_act, norm_act,
+                     reference, torch_attention)
 from tests.kernels.kernel_cases import SOFT_CAP, Case
 
 if not native.available():
@@ -52,14 +52,14 @@ def test_rms_norm(level, dtype, weight_dtype, shape):
     weight = torch.randn(shape[-1], generator=gen).to(weight_dtype)
     expected = norm_act.rms_norm_reference(x, weight, 1e-5)
     out = torch.empty_like(expected)
-    native.rms_norm(out, x, weight, 1e-5, level=level)
+    native_norm_act.rms_norm(out, x, weight, 1e-5, level=level)
     _close(out, expected)
 
     residual = torch.randn(shape, generator=gen).to(dtype)
     new_residual = residual + x
     expected = norm_act.rms_norm_reference(new_residual, weight, 1e-5)
     x = x.clone()
-    native.fused_add_rms_norm(x, residual, weight, 1e-5, level=level)
+    native_norm_act.fused_add_rms_norm(x, residual, weight, 1e-5, level=level)
     assert torch.equal(residual, new_residual)  # one rounded add, as torch's
     _close(x, expected)
 
@@ -72,7 +72,7 @@ def test_silu_and_mul(level, shape):
     x.view(-1)[:8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 200.0, -200.0])[:x.numel()]
     x = x.to(BF16)
     out = torch.empty(shape, dtype=BF16)
-    native.silu_and_mul(out, x, level=level)
+    native_norm_act.silu_and_mul(out, x, level=level)
     _close(out, norm_act.silu_and_mul_reference(x))
 
 
@@ -172,8 +172,8 @@ def test_threads_agree(num_seqs):
     for threads in (1, 2):
         torch.set_num_threads(threads)  # the autouse fixture restores the thread count
         norm, act = torch.empty_like(x), torch.empty(300, 500, dtype=BF16)
-        native.rms_norm(norm, x, weight, 1e-6)
-        native.silu_and_mul(act, x)
+        native_norm_act.rms_norm(norm, x, weight, 1e-6)
+        native_norm_act.silu_and_mul(act, x)
         outs.append((_decode(case, cache), norm, act))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -195,7 +195,8 @@ def test_dispatch_runs_bf16_natively(monkeypatch):
     """The model's bf16 norms, activation and decode and prefill attention take the native
     kernels."""
     calls = []
-    for module, name in [(native, "rms_norm"), (native, "fused_add_rms_norm"), (native, "silu_and_mul"),
+    for module, name in [(native_norm_act, "rms_norm"), (native_norm_act, "fused_add_rms_norm"),
+                         (native_norm_act, "silu_and_mul"),
                          (native_attention, "paged_decode_attention"),
                          (native_attention, "paged_prefill_attention")]:
         original = getattr(module, name)
@@ -222,11 +223,11 @@ def test_bad_bf16_inputs_raise():
     def decode(out, cache):
         native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
                                                 m.query_start_loc, case.scale)
-    for call in [lambda: native.rms_norm(torch.empty_like(x), x, weight.float(), 1e-6),  # bf16 x, fp32 w
-                 lambda: native.rms_norm(torch.empty(4, 64), x, weight, 1e-6),
-                 lambda: native.fused_add_rms_norm(x, x.float(), weight, 1e-6),
-                 lambda: native.silu_and_mul(torch.empty(4, 32), x),
-                 lambda: native.silu_and_mul(torch.empty(4, 32, dtype=BF16), x.half()),
+    for call in [lambda: native_norm_act.rms_norm(torch.empty_like(x), x, weight.float(), 1e-6),  # bf16 x, fp32 w
+                 lambda: native_norm_act.rms_norm(torch.empty(4, 64), x, weight, 1e-6),
+                 lambda: native_norm_act.fused_add_rms_norm(x, x.float(), weight, 1e-6),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(4, 32), x),
+                 lambda: native_norm_act.silu_and_mul(torch.empty(4, 32, dtype=BF16), x.half()),
                  lambda: decode(torch.empty(case.query.shape), case.kv_cache),  # fp32 out
                  lambda: decode(torch.empty_like(case.query), case.kv_cache.half())]:
         with pytest.raises(ValueError):
@@ -240,7 +241,7 @@ def test_forced_avx2_level_runs_the_bf16_kernels():
         pytest.skip("no AVX2 on this CPU")
     code = """
 import torch
-from kernels import cpu_features, native, native_attention, norm_act, reference, torch_attention
+from kernels import cpu_features, native, native_attention, native_norm_act, norm_act, reference, torch_attention
 from tests.kernels.kernel_cases import Case
 torch.set_num_threads(1)
 x, r, w = (torch.randn(5, 576).to(torch.bfloat16) for _ in range(3))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, native_attention, native_linear, quant_linear
+from kernels import native, native_attention, native_linear, native_norm_act, quant_linear
 from kernels.quantized import QuantWeight, pack_values
 
 if not native.available():
@@ -83,13 +83,13 @@ def test_norm_activation_and_rotary_wrappers_agree(monkeypatch, ctypes_lib, dtyp
 
     def run():
         out = torch.empty_like(x)
-        native.rms_norm(out, x, weight, 1e-5)
+        native_norm_act.rms_norm(out, x, weight, 1e-5)
         fx, fr = x.clone(), residual.clone()
-        native.fused_add_rms_norm(fx, fr, weight, 1e-5)
+        native_norm_act.fused_add_rms_norm(fx, fr, weight, 1e-5)
         act = torch.empty(5, 96, dtype=dtype)
-        native.silu_and_mul(act, gate_up)
+        native_norm_act.silu_and_mul(act, gate_up)
         rotated, cache = qkv.clone(), torch.zeros(2, 4, 4, kv_heads, dim, dtype=dtype)
-        native.rotary_store_kv(rotated, cos, sin, cache, slots, heads, kv_heads, dim)
+        native_norm_act.rotary_store_kv(rotated, cos, sin, cache, slots, heads, kv_heads, dim)
         return out, fx, fr, act, rotated, cache
 
     fast = run()
@@ -167,11 +167,11 @@ def test_the_ctypes_setting_keeps_ctypes():
 def test_without_the_headers_the_library_builds_for_ctypes(tmp_path):
     # A fresh cache and an include directory without Python.h: the build leaves the entry points
     # out, and every kernel still runs, through ctypes.
-    code = ("import torch\nfrom pathlib import Path\nfrom kernels import native\n"
+    code = ("import torch\nfrom pathlib import Path\nfrom kernels import native, native_norm_act\n"
             f"native.PYTHON_INCLUDE = Path({str(tmp_path / 'include')!r})\n"
             "assert native.available()\n"
             "assert not hasattr(native._lib, 'PyInit_pagedserve_cpu')\n"
-            "out, x = torch.empty(2, 8), torch.randn(2, 16)\nnative.silu_and_mul(out, x)\n"
+            "out, x = torch.empty(2, 8), torch.randn(2, 16)\nnative_norm_act.silu_and_mul(out, x)\n"
             "assert torch.allclose(out, torch.nn.functional.silu(x[:, :8]) * x[:, 8:])\n"
             "print(native.calls())")
     assert _run(code, PAGEDSERVE_CACHE=str(tmp_path / "cache")) == "ctypes"

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import native, norm_act
+from kernels import native, native_norm_act, norm_act
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -44,8 +44,8 @@ def test_native_path_is_taken_for_float32(monkeypatch):
     if not native.available():
         pytest.skip("no native CPU kernels here")
     calls = []
-    monkeypatch.setattr(native, "silu_and_mul", lambda out, x: calls.append("silu") or out.zero_())
-    monkeypatch.setattr(native, "rms_norm", lambda out, x, w, eps: calls.append("norm") or out.zero_())
+    monkeypatch.setattr(native_norm_act, "silu_and_mul", lambda out, x: calls.append("silu") or out.zero_())
+    monkeypatch.setattr(native_norm_act, "rms_norm", lambda out, x, w, eps: calls.append("norm") or out.zero_())
     norm_act.silu_and_mul(torch.ones(2, 8))
     norm_act.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
     assert calls == ["silu", "norm"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_features, native, rotary
+from kernels import cpu_features, native, native_norm_act, rotary
 from kernels.backend import get_attention_backend
 
 if not native.available():
@@ -44,7 +44,7 @@ def test_matches_the_reference_bit_for_bit(level, dtype, kv_dtype, shape, pad):
     want_cache = cache.clone()
     want_q = rotary.rotary_store_kv_reference(qkv.clone(), cos, sin, want_cache, slots, heads,
                                               kv_heads, head_dim)
-    native.rotary_store_kv(qkv, cos, sin, cache, slots, heads, kv_heads, head_dim, level=level)
+    native_norm_act.rotary_store_kv(qkv, cos, sin, cache, slots, heads, kv_heads, head_dim, level=level)
     q = rotary.split_qkv(qkv, heads, kv_heads, head_dim)[0]
     assert torch.equal(q, want_q)
     assert torch.equal(cache, want_cache)
@@ -53,9 +53,9 @@ def test_matches_the_reference_bit_for_bit(level, dtype, kv_dtype, shape, pad):
 def test_two_threads_write_what_one_does():
     qkv, cos, sin, cache, slots = case(24, 4, 2, 32, 16, torch.float32, torch.float32, seed=3)
     one_qkv, one_cache = qkv.clone(), cache.clone()
-    native.rotary_store_kv(one_qkv, cos, sin, one_cache, slots, 4, 2, 32)
+    native_norm_act.rotary_store_kv(one_qkv, cos, sin, one_cache, slots, 4, 2, 32)
     torch.set_num_threads(2)
-    native.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 32)
+    native_norm_act.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 32)
     assert torch.equal(qkv, one_qkv) and torch.equal(cache, one_cache)
 
 
@@ -64,16 +64,16 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written():
     slots[1] = BLOCKS * BLOCK_SIZE
     before_qkv, before_cache = qkv.clone(), cache.clone()
     with pytest.raises(ValueError, match="slot_mapping"):
-        native.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 32)
+        native_norm_act.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 32)
     assert torch.equal(qkv, before_qkv) and torch.equal(cache, before_cache)
 
 
 def test_operands_it_does_not_take_are_named():
     qkv, cos, sin, cache, slots = case(3, 4, 2, 32, 16, torch.float32, torch.float32)
     with pytest.raises(ValueError, match="rotary_store_kv takes"):
-        native.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 16)  # wrong head_dim
+        native_norm_act.rotary_store_kv(qkv, cos, sin, cache, slots, 4, 2, 16)  # wrong head_dim
     with pytest.raises(ValueError, match="rotary_store_kv takes"):
-        native.rotary_store_kv(qkv, cos, sin, cache, slots.int(), 4, 2, 32)
+        native_norm_act.rotary_store_kv(qkv, cos, sin, cache, slots.int(), 4, 2, 32)
 
 
 @pytest.mark.parametrize("name", ["torch", "reference"])
