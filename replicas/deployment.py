@@ -311,6 +311,8 @@ class EngineReplica:
         elif now - self._last_progress > self.stall_timeout_s:
             raise RuntimeError(f"the engine has work but has not stepped for "
                                f"{now - self._last_progress:.0f} s")
+        # Cores that came or went since this process last moved (a scale change): follow them.
+        cpu_binding.keep_off_engine_cpus()
 
     async def _export_metrics(self) -> None:
         while True:

@@ -241,6 +241,10 @@ class Ingress:
         return DetokenizeResponse(prompt=info.tokenizer.decode(request.tokens))
 
     # -- health --------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Ray Serve calls this periodically (and replaces the replica where it raises)."""
+        self.channels.follow_engine_cpus()
+
     async def health(self) -> tuple[bool, str]:
         """(healthy, reason): every engine replica running, none with a dead engine loop."""
         return await self.replica_health.check()

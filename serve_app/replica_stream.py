@@ -47,7 +47,14 @@ class OutputChannels:
         self._retry_at: dict[str, float] = {}
         self._calls: dict[str, str] = {}  # Ray Serve's internal id of a call -> our request id
         self.retry_after_s = retry_after_s
+        self._carries_core = False  # a channel straight to an engine core was opened
         replica_events.on_replica_lost(self._replica_lost)
+
+    def follow_engine_cpus(self) -> None:
+        """Once this ingress carries a core's tokens, keep off the CPUs of the cores that came
+        (or back on those of the cores that went) since: a scale change moves no channel."""
+        if self._carries_core:
+            cpu_binding.keep_off_engine_cpus()
 
     def register(self, request_id: str) -> OutputQueue:
         self._queues[request_id] = queue = OutputQueue()
@@ -109,6 +116,7 @@ class OutputChannels:
                          replica_id, exc)
             return await self._pump(replica_id)
         cpu_binding.keep_off_engine_cpus()  # this ingress carries the core's tokens: not on its CPUs
+        self._carries_core = True
         try:
             writer.write(core_wire.channel_hello(token, self.channel_id))
             frames = core_wire.FrameReader()
