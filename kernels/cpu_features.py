@@ -107,12 +107,15 @@ def has_native_bf16() -> bool:
 #   avx512 (AVX-512 without AVX512-BF16) and avx2: bf16 matmuls are emulated by oneDNN or torch,
 #                ~1.4 GFLOP/s against ~90 in fp32 on a Zen 3 (FACTS), so fp32.
 # bf16 is not token-exact with transformers' fp32; dtype="float32" is, and tests that compare
-# against transformers pass it. Quantized checkpoints keep fp32 activations (QUANTIZED_AUTO_DTYPE).
+# against transformers pass it.
+#
+# Weight-only quantized checkpoints follow the same table. Their kernel (csrc/gemm_q.c) multiplies
+# bf16 activations on vdpbf16ps past decode's few rows (Q_PAIRS); before it had that path, bf16
+# activations measured slower (Zen 5, the default Q4_1 GGUF, 32 requests x 96 tokens: fp32 513,
+# bf16 485 tok/s). With it, Zen 4, the default Q4_1 GGUF, 2 threads, medians of 3, two alternating
+# runs, 2026-12-04: prefill 64 x 256 tokens 876 / 878 -> 1,584 / 1,532 tok/s, 64 x (32 + 96)
+# tokens 484 / 477 -> 762 / 767, batch-1 decode 164 / 162 -> 165 / 160 (fp32 -> bf16).
 AUTO_DTYPE = {"native": "float32", "avx2": "float32", "avx512": "float32", "avx512_bf16": "bfloat16"}
-# Activations of a weight-only quantized model under auto: the int4/int8 kernels dequantize into
-# fp32 FMAs either way, and bf16 activations measured slower (Zen 5, the default Q4_1 GGUF, 32
-# requests x 96 tokens, 2 threads, alternating: fp32 513, bf16 485 tok/s).
-QUANTIZED_AUTO_DTYPE = "float32"
 
 
 def auto_dtype() -> str:

@@ -136,8 +136,8 @@ MEANINGS: dict[str, str] = {
     "model": "Local HF-format checkpoint directory; none: the embedded SmolLM2-135M-Instruct",
     "tokenizer": "Tokenizer directory; none: the model's",
     "served_model_name": "The model id clients send and /v1/models lists; none: the model path",
-    "dtype": ("Weights and compute dtype; auto: on CPU bf16 with AVX512-BF16, else float32 "
-              "(quantized models: float32 activations); on GPU the checkpoint's"),
+    "dtype": ("Weights and compute dtype; auto: on CPU bf16 with AVX512-BF16 (quantized models: "
+              "their activations), else float32; on GPU the checkpoint's"),
     "seed": "Seed for sampling when a request brings none",
     "block_size": "Tokens per KV-cache block (and per prefix-cache hash)",
     "max_model_len": "Longest prompt + output in tokens; none: the model's max_position_embeddings",

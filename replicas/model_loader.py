@@ -50,13 +50,12 @@ def tokenizer_path(model: str | Path) -> str:
     return str(tokenizer_dir(model))
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | str = "cpu",
-                  quantized: bool = False) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | str = "cpu") -> torch.dtype:
     """"auto" means, on a GPU, the checkpoint's own dtype (float32 when it names none or an
     unsupported one); on the CPU, the dtype measured fastest at the CPU's level whatever the
     checkpoint is stored in, as vLLM's CPU backend does (bf16 where AVX512-BF16 computes it
-    natively, else float32: kernels/cpu_features.AUTO_DTYPE, which says why), and float32
-    activations for a quantized checkpoint. An explicit dtype is obeyed.
+    natively, else float32: kernels/cpu_features.AUTO_DTYPE, which says why), the activations of
+    a weight-only quantized checkpoint included. An explicit dtype is obeyed.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -72,7 +71,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | st
         found = str(found).removeprefix("torch.")
     if torch.device(device).type != "cpu":
         return DTYPES.get(found, torch.float32)
-    chosen = DTYPES[cpu_features.QUANTIZED_AUTO_DTYPE if quantized else cpu_features.auto_dtype()]
+    chosen = DTYPES[cpu_features.auto_dtype()]
     if found in DTYPES and DTYPES[found] != chosen:
         logger.info("checkpoint dtype is %s; running %s, the faster on this CPU (dtype=%s forces "
                     "the checkpoint's)", found, str(chosen).removeprefix("torch."), found)
@@ -160,7 +159,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     start = time.perf_counter()
     hf_config, method, tensors, source = checkpoint_tensors(path, quantization, lazy=tp.world_size > 1)
     model_class = get_model_class(hf_config)
-    torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device), quantized=method is not None)
+    torch_dtype = resolve_dtype(dtype, hf_config, resolve_device(device))
     check_tensor_parallel(hf_config, tp.world_size, model_class, quantized=method is not None)
     with parallel_state.building(tp), deferred_weights() if method else contextlib.nullcontext():
         model = model_class(hf_config, torch_dtype, attention_backend, device=resolve_device(device))

@@ -70,11 +70,20 @@ def test_auto_dtype_without_dtype_field_follows_the_cpu(tiny_model_dir, tmp_path
     assert torch_dtype == NATIVE_AUTO
 
 
+
+def test_a_quantized_checkpoint_runs_its_activations_in_the_auto_dtype(tmp_path):
+    """Weight-only quantized: the weights stay packed; the activations (and the dense layers) take
+    auto's dtype, bf16 on AVX512-BF16, where csrc/gemm_q.c multiplies bf16 rows natively."""
+    from tests.quant_checkpoints import build_quant_model, write_gptq
+    write_gptq(build_quant_model(tmp_path / "dense"), tmp_path / "gptq")
+    model, _, torch_dtype = load_model(tmp_path / "gptq", dtype="auto", attention_backend="reference")
+    assert torch_dtype == NATIVE_AUTO
+    assert model.lm_head.weight.dtype == NATIVE_AUTO
+
 @pytest.mark.parametrize("found", ["float32", "bfloat16", "float16", None])
 def test_auto_dtype_rule(found):
     config = SimpleNamespace(dtype=found)
     assert resolve_dtype("auto", config) == NATIVE_AUTO
-    assert resolve_dtype("auto", config, quantized=True) == torch.float32  # fp32 activations
     assert resolve_dtype("auto", config, "cuda") == DTYPES.get(found, torch.float32)
     assert resolve_dtype("float32", config) == torch.float32
 
@@ -86,7 +95,6 @@ def test_auto_dtype_per_level_whatever_the_checkpoint(monkeypatch, level, expect
     monkeypatch.setattr(cpu_features, "cpu_level", lambda: level)  # any host: the table's rule
     for found in ("float32", "bfloat16", "float16"):
         assert resolve_dtype("auto", SimpleNamespace(dtype=found)) == expected
-        assert resolve_dtype("auto", SimpleNamespace(dtype=found), quantized=True) == torch.float32
 
 
 def test_unsupported_dtype_is_rejected(tiny_model_dir):

@@ -94,7 +94,7 @@ def quantized(request, sources, tmp_path_factory):
 @pytest.mark.parametrize("quantized,mode", CASES, indirect=["quantized"],
                          ids=[f"{f}-{m}" for f, m in CASES])
 def test_greedy_matches_the_dequantized_reference(quantized, mode):
-    llm = LLM(quantized.path, attention_backend="torch", **MODES[mode])
+    llm = LLM(quantized.path, attention_backend="torch", dtype="float32", **MODES[mode])
     prompt_logprobs = 1 if mode == "default" else None
     params = [SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=prompt_logprobs)
               for m in MAX_TOKENS]

@@ -32,7 +32,7 @@ from tests.tiny_models import build_tiny_family, build_tiny_model
 
 PROMPT_LENS = [1, 3, 9, 17, 33]
 MAX_TOKENS = [8, 5, 8, 10, 6]
-ENGINE = dict(attention_backend="torch", num_threads=2, num_kv_blocks=64)
+ENGINE = dict(attention_backend="torch", num_threads=2, num_kv_blocks=64, dtype="float32")
 SLOW = pytest.mark.slow  # each case starts a rank process (~5 s): the default suite keeps two
 FORMATS = {
     "gguf-q4_1-tied": ("gguf", dict(weight_type="Q4_1", embedding_type="Q8_0")),
