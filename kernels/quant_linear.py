@@ -4,8 +4,8 @@ into the layout of csrc/gemm_q.h, then x . W^T computed in float32 with W dequan
 
 Panels are as wide as the fp32 GEMM's at the same CPU level (48 columns on AVX-512, 16 on AVX2),
 so a packed layout belongs to the level that packed it, and the packing keeps that level's kernel
-(two levels can share a panel width and differ in code). Where the native kernel cannot run (no AVX2 and
-FMA, no compiler) pack() dequantizes to float32 once and the projection runs on
+(two levels can share a panel width and differ in code). Where the native kernel cannot run (no
+AVX2 and FMA, no compiler) pack() dequantizes to float32 once and the projection runs on
 kernels.cpu_linear's paths: everything works, without the bytes saved.
 
 Measured with bench/quant_gemm.py on a 2-core AVX-512 Xeon (Sapphire Rapids class, avx512_bf16

@@ -36,16 +36,23 @@ int pagedserve_quant_linear_panel(void) { return Q_PANEL; }
 #define Q_ROWS_FMA                                                                          \
     Q_ROW_FMA(0) Q_ROW_FMA(1) Q_ROW_FMA(2) Q_ROW_FMA(3)                                     \
     Q_ROW_FMA(4) Q_ROW_FMA(5) Q_ROW_FMA(6) Q_ROW_FMA(7)
+#define Q_ROWS_DECLARE                                                                      \
+    Q_ROW_DECLARE(0) Q_ROW_DECLARE(1) Q_ROW_DECLARE(2) Q_ROW_DECLARE(3)                     \
+    Q_ROW_DECLARE(4) Q_ROW_DECLARE(5) Q_ROW_DECLARE(6) Q_ROW_DECLARE(7)
 #define Q_ROW_STORE(r)                                                                      \
     if (mr > r) store_row(out, out_bf16, (r) * out_stride, (qvec[3]){qv_add(c##r##0, bias0), \
                           qv_add(c##r##1, bias1), qv_add(c##r##2, bias2)}, cols);
+/* The row tile's sums, plus the bias, out. */
+#define Q_ROWS_STORE                                                                        \
+    Q_LOAD_BIAS                                                                             \
+    Q_ROW_STORE(0) Q_ROW_STORE(1) Q_ROW_STORE(2) Q_ROW_STORE(3)                             \
+    Q_ROW_STORE(4) Q_ROW_STORE(5) Q_ROW_STORE(6) Q_ROW_STORE(7)
 
 /* `mr` rows of x (fp32, x_stride apart) against one dequantized scratch panel (k x Q_PANEL). */
 static inline __attribute__((always_inline)) void tile_rows(
     void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
     const float *panel, int64_t k, const int mr, int64_t cols, const float *bias) {
-    Q_ROW_DECLARE(0) Q_ROW_DECLARE(1) Q_ROW_DECLARE(2) Q_ROW_DECLARE(3)
-    Q_ROW_DECLARE(4) Q_ROW_DECLARE(5) Q_ROW_DECLARE(6) Q_ROW_DECLARE(7)
+    Q_ROWS_DECLARE
     qvec w0 = qv_zero(), w1 = w0, w2 = w0;
     for (int64_t i = 0; i < k; i++) {
         const float *b = panel + i * Q_PANEL, *xk = x + i;
@@ -54,9 +61,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         if (Q_VECS > 2) w2 = qv_load(b + 2 * QV);
         Q_ROWS_FMA
     }
-    Q_LOAD_BIAS
-    Q_ROW_STORE(0) Q_ROW_STORE(1) Q_ROW_STORE(2) Q_ROW_STORE(3)
-    Q_ROW_STORE(4) Q_ROW_STORE(5) Q_ROW_STORE(6) Q_ROW_STORE(7)
+    Q_ROWS_STORE
 }
 
 static __attribute__((noinline)) void scratch_tile(
@@ -99,8 +104,7 @@ static void pair_panel(uint16_t *dst, const float *src, int64_t k) {
 static inline __attribute__((always_inline)) void pair_tile_rows(
     void *out, int out_bf16, int64_t out_stride, const uint16_t *x, int64_t x_stride,
     const uint16_t *panel, int64_t pairs, const int mr, int64_t cols, const float *bias) {
-    Q_ROW_DECLARE(0) Q_ROW_DECLARE(1) Q_ROW_DECLARE(2) Q_ROW_DECLARE(3)
-    Q_ROW_DECLARE(4) Q_ROW_DECLARE(5) Q_ROW_DECLARE(6) Q_ROW_DECLARE(7)
+    Q_ROWS_DECLARE
     for (int64_t i = 0; i < pairs; i++) {
         const uint16_t *b = panel + i * 2 * Q_PANEL;
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(b), w1 = (__m512bh)_mm512_loadu_si512(b + 2 * QV),
@@ -108,9 +112,7 @@ static inline __attribute__((always_inline)) void pair_tile_rows(
         QP_ROW_DOT(0) QP_ROW_DOT(1) QP_ROW_DOT(2) QP_ROW_DOT(3)
         QP_ROW_DOT(4) QP_ROW_DOT(5) QP_ROW_DOT(6) QP_ROW_DOT(7)
     }
-    Q_LOAD_BIAS
-    Q_ROW_STORE(0) Q_ROW_STORE(1) Q_ROW_STORE(2) Q_ROW_STORE(3)
-    Q_ROW_STORE(4) Q_ROW_STORE(5) Q_ROW_STORE(6) Q_ROW_STORE(7)
+    Q_ROWS_STORE
 }
 
 static __attribute__((noinline)) void pair_tile(
@@ -198,21 +200,22 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
     const int direct = rows <= Q_DIRECT_ROWS;
     /* bf16 rows beyond decode's few: the bf16 pair panels (Q_PAIRS), x kept in bf16. */
     const int paired = Q_PAIRS && !direct && x_bf16 && k % 2 == 0;
-    float *converted = NULL;
+    void *converted = NULL;  /* x's rows as the tiles read them, where x itself will not do */
     const float *xf = x;
     const uint16_t *x16 = x;
     if (paired && perm) {
         uint16_t *gathered = malloc((size_t)(rows * k) * sizeof *gathered);
         if (!gathered) return PS_OUT_OF_MEMORY;
         gather_rows_bf16(gathered, x, x_stride, perm, rows, k, num_threads);
-        converted = (float *)gathered;
+        converted = gathered;
         x16 = gathered;
         x_stride = k;
     } else if (!paired && (perm || x_bf16)) {
-        converted = malloc((size_t)(rows * k) * sizeof *converted);
-        if (!converted) return PS_OUT_OF_MEMORY;
-        gather_rows(converted, x, x_bf16, x_stride, perm, rows, k, num_threads);
-        xf = converted;
+        float *widened = malloc((size_t)(rows * k) * sizeof *widened);
+        if (!widened) return PS_OUT_OF_MEMORY;
+        gather_rows(widened, x, x_bf16, x_stride, perm, rows, k, num_threads);
+        converted = widened;
+        xf = widened;
         x_stride = k;
     }
     const int64_t groups = k / group_size, block = psq_fold_block(group_size, bits), blocks = k / block;
