@@ -21,7 +21,8 @@ def _native(x: torch.Tensor) -> bool:
 
 
 def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return _native(x) and native_norm_act.norm_dtypes(x.dtype, weight.dtype) is not None and weight.is_contiguous()
+    return (_native(x) and native_norm_act.norm_dtypes(x.dtype, weight.dtype) is not None
+            and weight.is_contiguous())
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -49,7 +49,8 @@ def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """rotary_store_kv_reference's result; natively (q rotated inside qkv, which it then views)
     where the kernel takes the operands, else through the reference with this `store_kv`."""
     if native_norm_act.takes_rotary_store_kv(qkv, cos, sin, kv_cache, slot_mapping):
-        native_norm_act.rotary_store_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+        native_norm_act.rotary_store_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads,
+                                        head_dim)
         return qkv[:, :num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
     return rotary_store_kv_reference(qkv, cos, sin, kv_cache, slot_mapping, num_heads,
                                      num_kv_heads, head_dim, store_kv)

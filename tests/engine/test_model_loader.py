@@ -70,7 +70,6 @@ def test_auto_dtype_without_dtype_field_follows_the_cpu(tiny_model_dir, tmp_path
     assert torch_dtype == NATIVE_AUTO
 
 
-
 def test_a_quantized_checkpoint_runs_its_activations_in_the_auto_dtype(tmp_path):
     """Weight-only quantized: the weights stay packed; the activations (and the dense layers) take
     auto's dtype, bf16 on AVX512-BF16, where csrc/gemm_q.c multiplies bf16 rows natively."""

@@ -223,7 +223,8 @@ def test_bad_bf16_inputs_raise():
     def decode(out, cache):
         native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
                                                 m.query_start_loc, case.scale)
-    for call in [lambda: native_norm_act.rms_norm(torch.empty_like(x), x, weight.float(), 1e-6),  # bf16 x, fp32 w
+    # the first: bf16 x with an fp32 weight
+    for call in [lambda: native_norm_act.rms_norm(torch.empty_like(x), x, weight.float(), 1e-6),
                  lambda: native_norm_act.rms_norm(torch.empty(4, 64), x, weight, 1e-6),
                  lambda: native_norm_act.fused_add_rms_norm(x, x.float(), weight, 1e-6),
                  lambda: native_norm_act.silu_and_mul(torch.empty(4, 32), x),
@@ -241,7 +242,8 @@ def test_forced_avx2_level_runs_the_bf16_kernels():
         pytest.skip("no AVX2 on this CPU")
     code = """
 import torch
-from kernels import cpu_features, native, native_attention, native_norm_act, norm_act, reference, torch_attention
+from kernels import (cpu_features, native, native_attention, native_norm_act, norm_act, reference,
+                     torch_attention)
 from tests.kernels.kernel_cases import Case
 torch.set_num_threads(1)
 x, r, w = (torch.randn(5, 576).to(torch.bfloat16) for _ in range(3))
