@@ -3,15 +3,21 @@
 An ingress replica that has met an engine replica connects to the core behind it over TCP (the
 address comes with the replica's `ReplicaHello`), names its channel, and from then on receives
 the outputs of its requests here, one message per engine step for all of them: the replica's
-process, and a Ray message per step, are off the token path. A request's own Ray call still
-carries its routing, its `max_ongoing_requests` slot, its errors and its cancellation; the core
-tells the replica only that a request routed here has finished.
+process, and a Ray message per step, are off the token path.
 
-Which way a request's outputs go is fixed when it arrives (`route`), so one request never
-streams on both. A connection is trusted once it has sent this core's token (made here, handed
-out only in the replica's Ray messages); nothing it sends is ever unpickled. A subscriber that
-goes away, or cannot take a step's outputs within SEND_TIMEOUT_S, loses its requests: the core
-aborts them and fails them to the replica (their calls then end with an error).
+A request reaches the core one of two ways. By its own Ray call to the replica, which carries
+its routing, its `max_ongoing_requests` slot, its errors and its cancellation; the core then
+tells the replica only that a request routed here has finished. Or on the channel itself
+(`direct`): the ingress chose the replica with the same router, and sends the request, and later
+its abort, as a JSON frame; the core takes it while it holds fewer requests than the replica's
+`max_ongoing_requests` (else it refuses it, `CoreRefused`, and the ingress goes elsewhere), and
+its errors come back on the channel. No Ray message, and no replica process, is on that path.
+
+Which way a request's outputs go is fixed when it arrives (`route`, `accept`), so one request
+never streams on both. A connection is trusted once it has sent this core's token (made here,
+handed out only in the replica's Ray messages); nothing it sends is ever unpickled. A subscriber
+that goes away, or cannot take a step's outputs within SEND_TIMEOUT_S, loses its requests: the
+core aborts them, and fails those that came by Ray to the replica (their calls end with an error).
 
 Pure Python: no torch, no Ray.
 """
@@ -28,6 +34,9 @@ logger = logging.getLogger(__name__)
 # A step's outputs must leave within this; a subscriber that stalls longer is dropped.
 SEND_TIMEOUT_S = 5.0
 _SNDBUF = 4 << 20
+_READ_SIZE = 1 << 20
+# An ingress's frame is one request: its prompt's ids and settings. Past this it is not one.
+MAX_CHANNEL_FRAME = 64 << 20
 
 
 class CoreChannels:
@@ -39,8 +48,13 @@ class CoreChannels:
         self._hellos: dict[socket.socket, bytes] = {}  # connected, not yet named
         self._subscribers: dict[str, socket.socket] = {}  # channel id -> its connection
         self._channel_of: dict[socket.socket, str] = {}
+        self._readers: dict[socket.socket, wire.FrameReader] = {}
         self._routes: dict[str, str] = {}  # request id -> channel id
+        self._direct: set[str] = set()  # routed requests that came on their channel
+        self.received: list[tuple[str, list]] = []  # (channel id, message) from the ingresses
+        self.abandoned: list[str] = []  # direct requests whose channel went away: to abort
         self.num_outputs = 0  # sent on channels, for stats
+        self.num_requests = 0  # taken on channels (no Ray call), for stats
         self.changed = False  # a subscriber came or went since the core last looked (stats)
 
     @property
@@ -56,21 +70,29 @@ class CoreChannels:
 
     # -- connections ------------------------------------------------------------------------------
     def on_readable(self, sock: socket.socket) -> list[str]:
-        """Handle what `sock` has (a connection, a hello, or a close); the requests lost with a
-        subscriber that closed."""
+        """Handle what `sock` has (a connection, a hello, messages for `received`, or a close);
+        the requests that came by Ray lost with a subscriber that closed."""
         if sock is self.listener:
             self._accept()
             return []
-        try:
-            data = sock.recv(wire.CHANNEL_HELLO_SIZE)
+        hello = self._hellos.get(sock)
+        try:  # never read past a hello: a request may follow it at once
+            data = sock.recv(wire.CHANNEL_HELLO_SIZE - len(hello) if hello is not None
+                             else _READ_SIZE)
         except OSError:
             data = b""
-        if sock in self._hellos:
+        if hello is not None:
             return self._hello(sock, data)
-        if not data:  # a subscriber sends nothing after its hello: this is its end
+        if not data:
             return self._drop(sock)
-        logger.debug("an output channel sent unexpected bytes; dropping it")
-        return self._drop(sock)
+        try:
+            messages = self._readers[sock].feed(data)
+        except ValueError as exc:  # not JSON frames (UnicodeDecodeError, JSONDecodeError too)
+            logger.debug("an output channel sent a bad frame (%s); dropping it", exc)
+            return self._drop(sock)
+        channel_id = self._channel_of[sock]
+        self.received += [(channel_id, message) for message in messages]
+        return []
 
     def _accept(self) -> None:
         try:
@@ -95,6 +117,9 @@ class CoreChannels:
             sock.close()
             return []
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+        # Each step's frame leaves at once: with the ingress sending requests on the connection
+        # too, Nagle's wait for its (delayed) acks held frames back by up to ~40 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(SEND_TIMEOUT_S)  # sends block, for at most this long
         lost = []
         old = self._subscribers.get(channel_id)
@@ -102,19 +127,26 @@ class CoreChannels:
             lost = self._drop(old)
         self._subscribers[channel_id] = sock
         self._channel_of[sock] = channel_id
+        self._readers[sock] = wire.FrameReader(wire.channel_loads, MAX_CHANNEL_FRAME)
         self.changed = True
         return lost
 
     def _drop(self, sock: socket.socket) -> list[str]:
         channel_id = self._channel_of.pop(sock, None)
+        self._readers.pop(sock, None)
         sock.close()
         if channel_id is None or self._subscribers.get(channel_id) is not sock:
             return []
         del self._subscribers[channel_id]
         self.changed = True
-        lost = [rid for rid, cid in self._routes.items() if cid == channel_id]
-        for request_id in lost:
+        lost = []
+        for request_id in [rid for rid, cid in self._routes.items() if cid == channel_id]:
             del self._routes[request_id]
+            if request_id in self._direct:  # nobody is left to tell: abort it only
+                self._direct.discard(request_id)
+                self.abandoned.append(request_id)
+            else:
+                lost.append(request_id)
         return lost
 
     # -- requests ---------------------------------------------------------------------------------
@@ -123,40 +155,87 @@ class CoreChannels:
         if channel_id is not None and channel_id in self._subscribers:
             self._routes[request_id] = channel_id
 
+    def accept(self, request_id: str, channel_id: str) -> None:
+        """A request that came on its channel (the core has taken it): everything it produces,
+        outputs and errors, goes back there."""
+        self._routes[request_id] = channel_id
+        self._direct.add(request_id)
+        self.num_requests += 1
+
+    def sent_by(self, request_id: str, channel_id: str) -> bool:
+        """Whether request_id came on channel_id (only its own ingress may abort it)."""
+        return request_id in self._direct and self._routes.get(request_id) == channel_id
+
+    def refuse(self, channel_id: str, request_id: str, error: BaseException) -> None:
+        """Answer a request the core did not take with its error, at once."""
+        sock = self._subscribers.get(channel_id)
+        if sock is None:
+            return
+        try:
+            sock.sendall(wire.frame((wire.STEP, [], [(request_id, wire.portable(error))])))
+        except OSError as exc:
+            logger.debug("output channel %s failed: %r", channel_id, exc)
+            self.abandoned += self._drop(sock)  # none came by Ray on a failed send: abort all
+
     def forget(self, request_id: str) -> bool:
-        """The request ended otherwise (aborted, failed); whether it was routed here."""
+        """The request ended otherwise (aborted); whether it was routed here."""
+        self._direct.discard(request_id)
         return self._routes.pop(request_id, None) is not None
 
-    def send(self, outputs: list) -> tuple[list, list[str], list[str]]:
-        """Send every routed output of a step to its channel: (the outputs that stay with the
-        replica, the ids of routed requests that finished, the ids lost with a subscriber that
-        could not take them)."""
+    def take_received(self) -> list[tuple[str, list]]:
+        received, self.received = self.received, []
+        return received
+
+    def take_abandoned(self) -> list[str]:
+        abandoned, self.abandoned = self.abandoned, []
+        return abandoned
+
+    def send(self, outputs: list, errors: list[tuple[str, BaseException]]
+             ) -> tuple[list, list, list[str], list[str]]:
+        """Send every routed output of a step, and the errors of requests that came on a
+        channel, to their channel: (the outputs and the errors that stay with the replica, the
+        ids of requests routed here by Ray that finished, the ids of those lost with a subscriber
+        that could not take them)."""
         if not self._routes:
-            return outputs, [], []
+            return outputs, errors, [], []
         rest, done, by_channel = [], [], {}
-        routes = self._routes
+        routes, direct = self._routes, self._direct
         for output in outputs:
-            channel_id = routes.get(output.request_id)
+            request_id = output.request_id
+            channel_id = routes.get(request_id)
             if channel_id is None:
                 rest.append(output)
                 continue
-            by_channel.setdefault(channel_id, []).append(output.wire())
+            by_channel.setdefault(channel_id, ([], []))[0].append(output.wire())
             if output.finished:
-                del routes[output.request_id]
-                done.append(output.request_id)
+                del routes[request_id]
+                if request_id in direct:
+                    direct.discard(request_id)
+                else:
+                    done.append(request_id)
+        rest_errors = []
+        for request_id, exc in errors:
+            channel_id = routes.pop(request_id, None)
+            if request_id in direct:
+                direct.discard(request_id)
+                by_channel.setdefault(channel_id, ([], []))[1].append(
+                    (request_id, wire.portable(exc)))
+            else:
+                rest_errors.append((request_id, exc))
         lost: list[str] = []
-        for channel_id, batch in by_channel.items():
+        for channel_id, (batch, failed_requests) in by_channel.items():
             sock = self._subscribers[channel_id]
             try:
-                sock.sendall(wire.frame((wire.STEP, batch)))
+                sock.sendall(wire.frame((wire.STEP, batch, failed_requests)))
                 self.num_outputs += len(batch)
             except OSError as exc:  # gone, or stalled past SEND_TIMEOUT_S
                 logger.debug("output channel %s failed: %r", channel_id, exc)
                 failed = {values[0] for values in batch}
+                # Finished but not delivered: those that came by Ray fail to the replica.
+                lost += [rid for rid in done if rid in failed]
                 done = [rid for rid in done if rid not in failed]
-                lost += [rid for rid in failed if rid not in routes]  # finished but not delivered
                 lost += self._drop(sock)
-        return rest, done, lost
+        return rest, rest_errors, done, lost
 
 
 def _family(host: str) -> socket.AddressFamily:

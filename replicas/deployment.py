@@ -49,6 +49,8 @@ REPLICA_COUNTERS = {
 METRICS_INTERVAL_S = 1.0
 # An output channel without requests for this long ends (a draining replica waits for it).
 CHANNEL_IDLE_TIMEOUT_S = 2.0
+# Of the shutdown budget, kept for stopping the core once its requests have drained.
+DRAIN_MARGIN_S = 1.0
 
 
 @dataclass(slots=True)
@@ -110,6 +112,15 @@ def import_attr(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _max_ongoing_requests() -> int | None:
+    """This deployment's max_ongoing_requests, as Ray Serve applies it now (None outside Serve)."""
+    try:
+        from ray import serve
+        return serve.get_replica_context()._deployment_config.max_ongoing_requests
+    except Exception:  # outside a Serve replica (unit tests, local use)
+        return None
+
+
 def _replica_id() -> str:
     try:
         from ray import serve
@@ -152,9 +163,11 @@ class EngineReplica:
         self._channel_requests: dict[OutputChannel, dict[str, asyncio.Future]] = {}
         self._metrics = _ReplicaMetrics(self.replica_id)
         self.core_channel = None  # where ingress replicas connect to the engine core
+        self._max_ongoing_requests = _max_ongoing_requests()
         if core_channels and hasattr(self.engine, "open_channels"):
             import ray
-            self.core_channel = await self.engine.open_channels(ray.util.get_node_ip_address())
+            self.core_channel = await self.engine.open_channels(ray.util.get_node_ip_address(),
+                                                                self._max_ongoing_requests)
         loop = asyncio.get_running_loop()
         self._metrics_task = loop.create_task(self._export_metrics())
         self._probe_task = loop.create_task(ReadinessProbe(self.engine, probe_interval_s).run())
@@ -285,11 +298,20 @@ class EngineReplica:
         An engine in its own process makes the report there (`routing_report`)."""
         remote = getattr(self.engine, "routing_report", None)
         if remote is not None:
+            await self._follow_max_ongoing_requests()
             return {**await remote(force_snapshot=snapshot), "replica_id": self.replica_id}
         reporter = getattr(self, "_routing_reporter", None)
         if reporter is None:  # made on first use: it is this method's state alone
             reporter = self._routing_reporter = cache_digest.RoutingReporter(self.engine)
         return {**reporter.report(force_snapshot=snapshot), "replica_id": self.replica_id}
+
+    async def _follow_max_ongoing_requests(self) -> None:
+        """A lightweight update of the deployment may change max_ongoing_requests: the core
+        applies it to the requests ingresses send it on their channels."""
+        limit = _max_ongoing_requests()
+        if self.core_channel is not None and limit != self._max_ongoing_requests:
+            await self.engine.set_max_ongoing_requests(limit)
+            self._max_ongoing_requests = limit
 
     def record_autoscaling_stats(self) -> dict:
         """Ray Serve window-averages this for the autoscaling policy (`queue_depth`)."""
@@ -322,7 +344,24 @@ class EngineReplica:
                 logger.debug("metrics export failed", exc_info=True)
             await asyncio.sleep(METRICS_INTERVAL_S)
 
-    def __del__(self):
+    async def __del__(self):
+        """Ray Serve's shutdown, after its own drain of the calls: requests that ingresses sent
+        the core on their channels were no calls of Ray's, so they drain here."""
+        drain = getattr(getattr(self, "engine", None), "drain", None)
+        if drain is not None and self.core_channel is not None and self.engine.is_healthy():
+            from ray import serve
+            config = serve.get_replica_context()._deployment_config
+            # Ray Serve's drain took at least one of its wait loops of the budget.
+            left_s = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
+            try:
+                if not await drain(max(0.0, left_s - DRAIN_MARGIN_S)):
+                    logger.warning("engine replica %s stopped with requests still running",
+                                   self.replica_id)
+            except Exception:  # noqa: BLE001 - the core is gone: nothing left to drain
+                logger.debug("drain failed", exc_info=True)
+        self.shutdown()
+
+    def shutdown(self) -> None:
         for name in ("_metrics_task", "_probe_task"):
             task = getattr(self, name, None)
             if task is not None:

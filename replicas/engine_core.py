@@ -31,6 +31,7 @@ from replicas.core_channels import CoreChannels
 from replicas.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
 from replicas.errors import StepFailed
 from replicas.output_channel import ChannelClosed
+from replicas.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class _Socket:
             for sock in readable:
                 if sock is not self.sock:
                     self.lost += channels.on_readable(sock)
-                    if self.lost or channels.changed:  # errors to send, or stats
-                        timeout = 0.0
+                    if self.lost or channels.changed or channels.received or channels.abandoned:
+                        timeout = 0.0  # requests to take, errors to send, or stats
                     continue
                 try:
                     data = self.sock.recv(_READ_SIZE)
@@ -86,12 +87,17 @@ class EngineCore:
         self.engine = LLMEngine(config)
         self.cpus = _bind(config, self.engine)
         self.last_generation_time: float | None = None
+        self._held: dict[str, tuple] = {}  # ADDs from the replica past max_ongoing_requests
         self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
         self._errors: list[tuple[str, BaseException]] = []
         self._failures = 0
         self._stats_due = True
         self._stats_sent_at = 0.0
         self.channels: CoreChannels | None = None  # after the replica asks (open_channels)
+        # Requests on an output channel are taken while fewer than this are held (the replica's
+        # max_ongoing_requests, which Ray applies to the calls); none while draining.
+        self.max_ongoing_requests: int | None = None
+        self.draining = False
 
     def info(self) -> dict:
         import pickle
@@ -102,20 +108,35 @@ class EngineCore:
 
     def stats(self) -> dict:
         channels = self.channels
-        return {**self.engine.stats(), "last_generation_time": self.last_generation_time,
+        stats = self.engine.stats()
+        if self._held:  # they wait, here rather than in the engine
+            stats["num_waiting"] += len(self._held)
+            stats["num_requests"] += len(self._held)
+        return {**stats, "last_generation_time": self.last_generation_time,
                 "core_channels": channels.num_subscribers if channels else 0,
                 "core_channel_outputs": channels.num_outputs if channels else 0,
+                "core_channel_requests": channels.num_requests if channels else 0,
                 "engine_cpus": self.cpus}
 
     # -- calls the replica makes -----------------------------------------------------------------
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
         return self.routing.report(force_snapshot=force_snapshot)
 
-    def call_open_channels(self, host: str) -> tuple[str, int, str]:
+    def call_open_channels(self, host: str, max_ongoing_requests: int | None = None
+                           ) -> tuple[str, int, str]:
         """Listen for ingress replicas' output channels on host; (host, port, token)."""
         if self.channels is None:
             self.channels = CoreChannels(host)
+        self.max_ongoing_requests = max_ongoing_requests
         return self.channels.address
+
+    def call_set_max_ongoing_requests(self, max_ongoing_requests: int | None) -> None:
+        self.max_ongoing_requests = max_ongoing_requests
+
+    def call_drain(self) -> None:
+        """Take no more requests on the output channels (the replica is stopping); those held
+        run to their end."""
+        self.draining = True
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, conn: _Socket) -> None:
@@ -128,12 +149,13 @@ class EngineCore:
             if conn.lost:
                 self._lose(conn.lost)
                 conn.lost = []
-            if self.channels is not None and self.channels.changed:
-                self.channels.changed, self._stats_due = False, True
+            if self.channels is not None:
+                self._serve_channels(self.channels)
             for message in messages:
                 if message[0] == wire.STOP:
                     return
                 self._handle(conn, message)
+            self._admit_held()
             outputs = self._step() if engine.has_unfinished_requests() else []
             self._send_step(conn, outputs)
 
@@ -141,17 +163,14 @@ class EngineCore:
         kind = message[0]
         self._stats_due = True
         if kind == wire.ADD:
-            _, request_id, prompt, params, priority, channel_id = message
-            try:
-                self.engine.add(self.engine.make_request(request_id, prompt, params,
-                                                         priority=priority))
-            except ValueError as exc:
-                self._errors.append((request_id, exc))
-                return
-            if self.channels is not None:
-                self.channels.route(request_id, channel_id)
+            if self._held or self._full():
+                # Its Ray call keeps its slot meanwhile, so Ray queues the calls after it.
+                self._held[message[1]] = message
+            else:
+                self._add(message)
         elif kind == wire.ABORT:
             for request_id in message[1]:
+                self._held.pop(request_id, None)
                 self.engine.abort_request(request_id)
                 if self.channels is not None:
                     self.channels.forget(request_id)
@@ -164,6 +183,72 @@ class EngineCore:
             conn.send(reply)
         else:
             raise ValueError(f"unknown message {kind!r}")
+
+    def _full(self, waiting: int = 0) -> bool:
+        """Whether the core holds its replica's max_ongoing_requests (with `waiting` more)."""
+        limit = self.max_ongoing_requests
+        return limit is not None and len(self.engine.requests) + waiting >= limit
+
+    def _add(self, message: tuple) -> None:
+        _, request_id, prompt, params, priority, channel_id = message
+        try:
+            self.engine.add(self.engine.make_request(request_id, prompt, params,
+                                                     priority=priority))
+        except ValueError as exc:
+            self._errors.append((request_id, exc))
+            return
+        if self.channels is not None:
+            self.channels.route(request_id, channel_id)
+
+    def _admit_held(self) -> None:
+        """Requests that came by Ray while the core was full, in order, as room frees."""
+        while self._held and not self._full():
+            self._add(self._held.pop(next(iter(self._held))))
+
+    def _serve_channels(self, channels: CoreChannels) -> None:
+        """What the ingresses sent on their channels: requests to take, aborts, and those whose
+        channel went away."""
+        for request_id in channels.take_abandoned():
+            self.engine.abort_request(request_id)
+            self._stats_due = True
+        for channel_id, message in channels.take_received():
+            self._stats_due = True
+            kind = message[0] if isinstance(message, list) and message else None
+            if kind == wire.ADD and len(message) == 7 and isinstance(message[1], str):
+                self._add_from(channels, channel_id, *message[1:])
+            elif kind == wire.ABORT and len(message) == 2 and isinstance(message[1], list):
+                for request_id in message[1]:
+                    if channels.sent_by(request_id, channel_id):  # its own requests only
+                        self.engine.abort_request(request_id)
+                        channels.forget(request_id)
+            else:
+                logger.debug("an output channel sent an unknown message; ignored")
+        if channels.changed:
+            channels.changed, self._stats_due = False, True
+
+    def _add_from(self, channels: CoreChannels, channel_id: str, request_id: str,
+                  prompt_token_ids, prompt, block_hashes, params, priority) -> None:
+        engine = self.engine
+        if self.draining:
+            return channels.refuse(channel_id, request_id, wire.CoreRefused("draining"))
+        if self._full(waiting=len(self._held)):  # those Ray sent first go first
+            return channels.refuse(channel_id, request_id, wire.CoreRefused("full"))
+        if request_id in engine.requests:
+            return channels.refuse(channel_id, request_id,
+                                   ValueError(f"request id {request_id!r} is already running"))
+        try:
+            params = wire.params_from_json(params)
+            if not isinstance(priority, int):
+                raise ParamError("priority", "priority must be an integer")
+            if not (_ints(prompt_token_ids) and (block_hashes is None or _ints(block_hashes))):
+                raise ParamError("prompt", "prompt token ids and block hashes must be integers")
+            engine.add(engine.make_request(
+                request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids,
+                             "block_hashes": block_hashes}, params, priority=priority))
+        except (ValueError, TypeError) as exc:  # a request no ingress of ours sends
+            error = exc if isinstance(exc, ValueError) else ValueError(f"bad request: {exc}")
+            return channels.refuse(channel_id, request_id, error)
+        channels.accept(request_id, channel_id)
 
     def _step(self) -> list:
         engine = self.engine
@@ -193,9 +278,8 @@ class EngineCore:
     def _send_step(self, conn: _Socket, outputs: list) -> None:
         done: list[str] = []
         if self.channels is not None:
-            for request_id, _ in self._errors:
-                self.channels.forget(request_id)
-            outputs, done, lost = self.channels.send(outputs)
+            errors, self._errors = self._errors, []
+            outputs, self._errors, done, lost = self.channels.send(outputs, errors)
             self._lose(lost)
         now = time.monotonic()
         stats = None
@@ -207,6 +291,10 @@ class EngineCore:
             conn.send((wire.STEP, [output.wire() for output in outputs],
                        [(request_id, wire.portable(exc)) for request_id, exc in errors], stats,
                        done))
+
+
+def _ints(values) -> bool:
+    return isinstance(values, list) and all(type(v) is int for v in values)
 
 
 def _bind(config: EngineConfig, engine) -> list[int]:

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # Model load (a first conversion of the default model included) happens before READY.
 START_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 5.0
+DRAIN_POLL_S = 0.05
 _READ_SIZE = 1 << 20
 
 
@@ -93,10 +94,28 @@ class EngineCoreClient(EngineClient):
         self._receivers[request_id] = on_output
         self._send((wire.ADD, request_id, prompt, params or SamplingParams(), priority, channel_id))
 
-    async def open_channels(self, host: str) -> tuple[str, int, str]:
-        """Have the core take ingress replicas' output channels on host (`core_channels.py`);
+    async def open_channels(self, host: str, max_ongoing_requests: int | None = None
+                            ) -> tuple[str, int, str]:
+        """Have the core take ingress replicas' output channels on host (`core_channels.py`),
+        and the requests sent on them while it holds fewer than max_ongoing_requests;
         (host, port, token), for the ingress replicas."""
-        return tuple(await self._call("open_channels", host=host))
+        return tuple(await self._call("open_channels", host=host,
+                                      max_ongoing_requests=max_ongoing_requests))
+
+    async def set_max_ongoing_requests(self, max_ongoing_requests: int | None) -> None:
+        await self._call("set_max_ongoing_requests", max_ongoing_requests=max_ongoing_requests)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no more requests on the output channels and wait, at most timeout_s, until the
+        core holds none; whether it got there."""
+        await self._call("drain")
+        deadline = time.monotonic() + timeout_s
+        # The core's stats come with every step at most STATS_PERIOD_S apart, and when it idles.
+        while self.is_healthy() and self._stats.get("num_requests", 0):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
 
     def abort_nowait(self, request_id: str) -> None:
         if self._receivers.pop(request_id, None) is not None and self._error is None:

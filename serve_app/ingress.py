@@ -54,7 +54,7 @@ class Ingress:
         self.replica_stream = engine_replica.options(stream=True)
         self.channels = OutputChannels(self.replica_stream.open_channel.remote
                                        if self.settings.output_channels else None,
-                                       self.settings.retry_after_s)
+                                       self.settings.retry_after_s, REPLICA_DEPLOYMENT)
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None
@@ -309,7 +309,7 @@ class Ingress:
         calls = [functools.partial(send, r) for r in requests]
         if len(calls) > 1:
             calls = [as_own_call(call, i) for i, call in enumerate(calls)]
-        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer)
+        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer, r)
                    for call, r in zip(calls, requests)]
         try:
             results = await self._within(

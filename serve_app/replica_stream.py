@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from replicas import core_wire, cpu_binding
-from replicas.deployment import ChannelRequest, EngineReplicaDead, ReplicaHello
+from replicas.deployment import ChannelRequest, EngineReplicaDead, GenerateRequest, ReplicaHello
 from replicas.errors import StepFailed
 from replicas.output_channel import ChannelClosed
 from replicas.output_queue import OutputQueue
 from replicas.outputs import RequestOutput
 from serve_app import errors
+from serve_app.core_dispatch import CoreDispatch, CoreLink, Dispatched
 from serve_app.errors import OpenAIError
 from serve_app.routing import replica_events
 from serve_app.stream_pacer import StreamPacer
@@ -39,11 +40,14 @@ class OutputChannels:
     (`ReplicaHello`), so that the channel is opened for the requests after it.
     """
 
-    def __init__(self, open_call: Callable[[ChannelRequest], Any] | None, retry_after_s: int = 1):
+    def __init__(self, open_call: Callable[[ChannelRequest], Any] | None, retry_after_s: int = 1,
+                 deployment: str = "EngineReplica"):
         self.open_call = open_call  # None: channels off (a request router that cannot pin them)
         self.channel_id = uuid.uuid4().hex if open_call is not None else None
         self._queues: dict[str, OutputQueue] = {}
         self._tasks: dict[str, asyncio.Task] = {}  # engine replica id -> its channel's pump
+        self.links: dict[str, CoreLink] = {}  # engine replica id -> its open core channel
+        self.dispatch = CoreDispatch(self.links, deployment, open_call is not None)
         self._retry_at: dict[str, float] = {}
         self._calls: dict[str, str] = {}  # Ray Serve's internal id of a call -> our request id
         self.retry_after_s = retry_after_s
@@ -104,6 +108,15 @@ class OutputChannels:
             if queue is not None:
                 queue.put(from_wire(values))
 
+    def _fail(self, failures: list[tuple[str, BaseException]]) -> None:
+        """The errors of requests sent on a core channel, as their clients should see them (a
+        refusal as it is: the request goes elsewhere)."""
+        for request_id, exc in failures:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put(exc if isinstance(exc, core_wire.CoreRefused)
+                          else map_replica_error(exc, self.retry_after_s, _no_replica))
+
     async def _pump_core(self, replica_id: str, address: tuple[str, int, str]) -> None:
         """The channel straight to the replica's engine core (`replicas/core_channels.py`); where
         it cannot be reached, a Ray call to the replica instead."""
@@ -117,12 +130,16 @@ class OutputChannels:
             return await self._pump(replica_id)
         cpu_binding.keep_off_engine_cpus()  # this ingress carries the core's tokens: not on its CPUs
         self._carries_core = True
+        link = None
         try:
             writer.write(core_wire.channel_hello(token, self.channel_id))
+            link = self.links[replica_id] = CoreLink(replica_id, writer)
             frames = core_wire.FrameReader()
             while data := await reader.read(CORE_READ_SIZE):
-                for _, batch in frames.feed(data):
+                for _, batch, *failures in frames.feed(data):
                     self._deliver(batch)
+                    if failures and failures[0]:
+                        self._fail(failures[0])
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure
@@ -131,6 +148,14 @@ class OutputChannels:
             self._retry_at[replica_id] = time.monotonic() + CHANNEL_RETRY_S
             self._tasks.pop(replica_id, None)
             writer.close()
+            if link is not None:
+                link.closed = True
+                if self.links.get(replica_id) is link:
+                    del self.links[replica_id]
+                # Those sent on it have no Ray call to report the loss: fail them here.
+                self._fail([(request_id, errors.unavailable(
+                    "the engine replica serving this request went away", self.retry_after_s))
+                    for request_id in link.requests])
 
     async def _pump(self, replica_id: str) -> None:
         generator = None
@@ -156,8 +181,11 @@ class ReplicaStream:
     several pending deltas folded into one when the consumer is behind."""
 
     def __init__(self, send: Callable[[], Any], map_error: Callable[[BaseException], BaseException],
-                 channels: OutputChannels, request_id: str, pacer: StreamPacer | None = None):
+                 channels: OutputChannels, request_id: str, pacer: StreamPacer | None = None,
+                 request: GenerateRequest | None = None):
         self.send = send  # returns a DeploymentResponseGenerator
+        self.request = request  # set: try the cores' channels first (`core_dispatch.py`)
+        self.dispatched: Dispatched | None = None  # the core channel that took it
         self.generator = None
         self.map_error = map_error
         self.channels = channels
@@ -172,15 +200,31 @@ class ReplicaStream:
 
     async def prime(self) -> None:
         try:
-            self.call_id = _own_call_id()
-            self.generator = self.send()
-            self.channels.track(self.call_id, self.request_id)
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
-            self.first = await self.queue.get()
+            if self.request is not None:
+                self.first = await self._prime_on_channels()
+            if self.first is None:
+                self.call_id = _own_call_id()
+                self.generator = self.send()
+                self.channels.track(self.call_id, self.request_id)
+                self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+                self.first = await self.queue.get()
         except BaseException as exc:
             self.cancel()
             raise self.map_error(exc) from None
         self.first_delta_time = time.monotonic()
+
+    async def _prime_on_channels(self) -> RequestOutput | None:
+        """The first output of the request sent on a core's channel; None where no core with a
+        channel here took it (then it goes by Ray)."""
+        for dispatched in self.channels.dispatch.sends(self.request):
+            self.dispatched = dispatched
+            try:
+                return await self.queue.get()
+            except core_wire.CoreRefused:
+                dispatched.refused(self.request_id)
+                self.dispatched = None
+                self.queue = self.channels.register(self.request_id)
+        return None
 
     async def _pump(self) -> None:
         """The call's own stream: outputs (a replica without this ingress's channel), or nothing
@@ -204,6 +248,8 @@ class ReplicaStream:
             return
         self.finished = True
         self.channels.unregister(self.request_id, self.call_id)
+        if self.dispatched is not None:
+            self.dispatched.ended(self.request_id, aborted=True)
         if self.generator is None:
             return
         if self.first_delta_time is not None:
@@ -214,6 +260,8 @@ class ReplicaStream:
     def _done(self) -> None:
         self.finished = True
         self.channels.unregister(self.request_id, self.call_id)
+        if self.dispatched is not None:
+            self.dispatched.ended(self.request_id, aborted=False)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         output, self.first = self.first, None
@@ -297,6 +345,10 @@ def as_own_call(send: Callable[[], Any], index: int) -> Callable[[], Any]:
             parent, _internal_request_id=f"{parent._internal_request_id or uuid.uuid4().hex}-{index}"))
         return send()  # in prime()'s own task, so the new id stays with this call
     return call
+
+
+def _no_replica(replica_id: str) -> None:
+    """A core channel's errors name no replica to mark dead: Ray reports its death."""
 
 
 def _cancel_quietly(generator) -> None:

@@ -1,5 +1,6 @@
 """What the request router sees happen to the engine replicas, for the rest of its process: when
-each last generated a token (readiness) and which calls were in flight on a replica that died.
+each last generated a token (readiness), which calls were in flight on a replica that died, and
+the router itself (the ingress asks it where to send a request it sends without Ray).
 
 Module state, not router state, because Ray Serve ships the router class to the ingress by value:
 the class's own module globals are a private copy, while a module it imports, like this one, is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 # (app, deployment) -> {replica id: wall clock of its engine's last sampled token, or None}
 _last_generation: dict[tuple[str, str], dict[str, float | None]] = {}
@@ -23,6 +25,16 @@ _in_flight: dict[str, str] = {}
 _recently_ended: dict[str, tuple[str, float]] = {}
 RECENTLY_ENDED_S = 30.0
 _lost_listeners: list[Callable[[str, set[str]], None]] = []
+_routers: dict[tuple[str, str], Any] = {}  # (app, deployment) -> its PrefixAffinityRouter
+
+
+def router_ready(app_name: str, deployment: str, router: Any) -> None:
+    _routers[(app_name, deployment)] = router
+
+
+def router_of(app_name: str, deployment: str) -> Any:
+    """The PrefixAffinityRouter of this process's handle to the deployment, once Ray made it."""
+    return _routers.get((app_name, deployment))
 
 
 def replicas_seen(app_name: str, deployment: str,

@@ -20,7 +20,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from replicas.deployment import ChannelRequest
 from serve_app.routing import replica_events
 from serve_app.routing.metrics import RoutingMetrics
-from serve_app.routing.policy import RoutingSettings
+from serve_app.routing.policy import Decision, RoutingSettings
 from serve_app.routing.router_state import RouterState
 
 BLOCK_HASHES_KEY = "block_hashes"
@@ -55,6 +55,9 @@ class PrefixAffinityRouter(RequestRouter):
         self._candidates: list[RunningReplica] | None = None  # the list `_live` was made from
         self._live: dict[str, RunningReplica] = {}
         self._live_ids: tuple[str, ...] = ()  # its keys: the same tuple until the set changes
+        # Every running replica, as Ray last named them: what the ingress's own sends rank.
+        self._dispatch_ids: tuple[str, ...] = ()
+        replica_events.router_ready(self._deployment_id.app_name, self._deployment_id.name, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         # Ray re-broadcasts the replica set each time a replica's routing stats change, requests or
@@ -63,10 +66,13 @@ class PrefixAffinityRouter(RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "state"):
             self._observe(replicas)
-        replica_events.replicas_seen(
-            self._deployment_id.app_name, self._deployment_id.name,
-            [(r.replica_id.unique_id, (r.routing_stats or {}).get("last_generation_time"))
-             for r in replicas])
+        seen = [(r.replica_id.unique_id, (r.routing_stats or {}).get("last_generation_time"))
+                for r in replicas]
+        replica_events.replicas_seen(self._deployment_id.app_name, self._deployment_id.name, seen)
+        if hasattr(self, "state"):
+            ids = tuple(replica_id for replica_id, _ in seen)
+            if ids != self._dispatch_ids:  # the same tuple until the set changes, as `_live_ids`
+                self._dispatch_ids = ids
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -90,6 +96,20 @@ class PrefixAffinityRouter(RequestRouter):
             block_hashes = request_block_hashes(pending_request.args, pending_request.kwargs)
         decision = self.state.choose(request_id, block_hashes, self._live_ids)
         return ([live[replica_id]] for replica_id in decision.ranking())  # Ray only iterates it
+
+    def choose_for_dispatch(self, block_hashes: list[int]) -> Decision | None:
+        """The ranking for a request the ingress sends itself (`serve_app/core_dispatch.py`),
+        counted against no replica yet (`dispatched` does, for the one that takes it); None
+        before Ray has named any replica."""
+        if not self._dispatch_ids:
+            return None
+        return self.state.choose(None, block_hashes, self._dispatch_ids)
+
+    def dispatched(self, request_id: str, replica_id: str, block_hashes: list[int],
+                   decision: Decision) -> float:
+        reason, at = self.state.dispatched(request_id, replica_id, block_hashes, decision)
+        self.metrics.record_decision(reason)
+        return at
 
     def _live_replicas(self, candidate_replicas: list[RunningReplica]) -> dict[str, RunningReplica]:
         """Ray hands the same list object until the replica set changes: map it once."""

@@ -92,6 +92,26 @@ class RouterState:
         self.loads.sent(request_id, replica_id, self._clock())
         return LOAD_OVERRIDE if choice.decision.reason == AFFINITY else FALLBACK
 
+    def dispatched(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
+                   decision: Decision) -> tuple[str, float]:
+        """A request sent to replica_id (a rank of `decision`, made with no request id) by the
+        ingress itself, not through Ray: counted there from now. (The reason to count it under,
+        when it was counted: for `refused`.)"""
+        now = self._clock()
+        first = replica_id == decision.replica_id
+        self.index.insert(replica_id, kept_hashes(block_hashes), now,
+                          decision.num_matched_blocks if first else 0)
+        self.loads.sent(request_id, replica_id, now)
+        if first:
+            return decision.reason, now
+        return (LOAD_OVERRIDE if decision.reason == AFFINITY else FALLBACK), now
+
+    def refused(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
+                dispatched_at: float) -> None:
+        """replica_id did not take a dispatched request: take back what `dispatched` counted."""
+        self.index.remove(replica_id, block_hashes, dispatched_at)
+        self.loads.completed(request_id, self._clock())
+
     def completed(self, request_id: str) -> None:
         self.loads.completed(request_id, self._clock())
         self._unrouted.pop(request_id, None)

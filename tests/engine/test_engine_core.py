@@ -154,7 +154,7 @@ def test_a_connected_channel_carries_the_outputs_and_the_replica_hears_only_the_
         while not (got and got[-1].finished):
             data = await loop.sock_recv(sock, 1 << 16)
             assert data, "the channel closed"
-            got += [RequestOutput.from_wire(v) for _, batch in reader.feed(data) for v in batch
+            got += [RequestOutput.from_wire(v) for _, batch, _ in reader.feed(data) for v in batch
                     if v[0] == request_id]
         return got
 
@@ -198,3 +198,143 @@ def test_a_connected_channel_carries_the_outputs_and_the_replica_hears_only_the_
     assert len(routed) > 1 and routed[-1].finished
     assert stats["core_channel_outputs"] >= len(routed)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["core_channels"] == 0
+
+
+def test_requests_sent_on_a_channel_come_back_on_it_within_the_replicas_limit(tiny_model_dir):
+    """An ingress may send requests on its channel: the same tokens as by the replica, refused
+    past max_ongoing_requests or while draining, errors naming their field, its own aborts (and
+    its going away) freeing every block."""
+    import socket
+
+    from replicas.outputs import RequestOutput
+
+    model_dir = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=12, output_kind=RequestOutputKind.DELTA, **GREEDY)
+    channel_id = "d" * wire.CHANNEL_ID_BYTES
+    prompt = [3, 14, 15, 92, 65, 35]
+
+    class Channel:
+        def __init__(self, host, port, token):
+            self.sock = socket.create_connection((host, port))
+            self.sock.setblocking(False)
+            self.sock.sendall(wire.channel_hello(token, channel_id))
+            self.reader = wire.FrameReader()
+            self.outputs: dict[str, list[RequestOutput]] = {}
+            self.errors: dict[str, BaseException] = {}
+
+        def add(self, request_id, params, token_ids=prompt):
+            self.sock.sendall(wire.channel_add(request_id, token_ids, None, None, params, 0))
+
+        async def until(self, request_id):
+            """Read until request_id has finished or failed."""
+            loop = asyncio.get_running_loop()
+            while not (request_id in self.errors or (self.outputs.get(request_id)
+                                                     and self.outputs[request_id][-1].finished)):
+                data = await asyncio.wait_for(loop.sock_recv(self.sock, 1 << 16), 30)
+                assert data, "the channel closed"
+                for _, batch, failures in self.reader.feed(data):
+                    for values in batch:
+                        self.outputs.setdefault(values[0], []).append(
+                            RequestOutput.from_wire(values))
+                    self.errors.update(failures)
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        try:
+            host, port, token = await client.open_channels("127.0.0.1", max_ongoing_requests=1)
+            by_replica = [out async for out in client.generate(prompt, params, "by-replica")]
+            channel = Channel(host, port, token)
+            channel.add("direct", params)
+            await channel.until("direct")
+            # One request held: a second is refused, and goes elsewhere.
+            channel.add("long", params.clone(max_tokens=200))
+            channel.add("second", params)
+            await channel.until("second")
+            channel.sock.sendall(wire.channel_abort(["long"]))
+            await wait_until(lambda: client.stats()["num_requests"] == 0)
+            channel.add("bad", params, token_ids=[10 ** 6])
+            await channel.until("bad")
+            channel.add("held", params.clone(max_tokens=240))
+            loop = asyncio.get_running_loop()
+            assert await asyncio.wait_for(loop.sock_recv(channel.sock, 1 << 16), 30)  # it streams
+            channel.sock.close()  # its ingress went away: nobody reads it
+            await wait_until(lambda: client.stats()["num_requests"] == 0)
+            assert await client.drain(5.0)
+            late = Channel(host, port, token)
+            late.add("late", params)
+            await late.until("late")
+            return by_replica, channel, late, client.stats()
+        finally:
+            client.shutdown()
+
+    by_replica, channel, late, stats = asyncio.run(main())
+    tokens = lambda outs: [t for o in outs for c in o.outputs for t in c.token_ids]  # noqa: E731
+    assert tokens(channel.outputs["direct"]) == tokens(by_replica) and len(tokens(by_replica)) == 12
+    assert isinstance(channel.errors["second"], wire.CoreRefused)
+    assert channel.errors["second"].reason == "full"
+    assert "long" not in channel.errors and not channel.outputs["long"][-1].finished
+    assert isinstance(channel.errors["bad"], ParamError) and channel.errors["bad"].param == "prompt"
+    assert late.errors["late"].reason == "draining"
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_sampling_params_cross_a_channel_as_json_intact():
+    from replicas.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["x"],
+                            logit_bias={7: -1.5}, logprobs=2, max_tokens=9,
+                            output_kind=RequestOutputKind.FINAL_ONLY,
+                            structured_outputs=StructuredOutputsParams(json={"type": "object"},
+                                                                       source="response_format"))
+    import json
+    again = wire.params_from_json(json.loads(json.dumps(wire.params_to_json(params))))
+    assert again == params and again.structured_outputs.source == "response_format"
+    with pytest.raises(TypeError):
+        wire.params_from_json({"eos_token_ids": [1]})
+    with pytest.raises(ParamError):
+        wire.params_from_json({"top_p": 2.0})
+
+
+def test_past_the_limit_requests_by_the_replica_wait_in_order_and_channels_are_refused(
+        tiny_model_dir):
+    """A request by Ray past max_ongoing_requests waits in the core (its call keeps its Ray
+    slot, so Ray queues those after it) and starts as room frees; meanwhile a request on a
+    channel is refused: the limit counts both ways in."""
+    import socket
+
+    model_dir = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=200, output_kind=RequestOutputKind.DELTA, **GREEDY)
+    channel_id = "e" * wire.CHANNEL_ID_BYTES
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        try:
+            host, port, token = await client.open_channels("127.0.0.1", max_ongoing_requests=1)
+            sock = socket.create_connection((host, port))
+            sock.sendall(wire.channel_hello(token, channel_id))
+            finished = []
+
+            async def run(request_id):
+                async for out in client.generate([7, 8, 9], params, request_id):
+                    if out.finished:
+                        finished.append(request_id)
+
+            first = asyncio.ensure_future(run("first"))
+            second = asyncio.ensure_future(run("second"))
+            await wait_until(lambda: client.stats()["num_waiting"] == 1)
+            sock.sendall(wire.channel_add("direct", [7, 8, 9], None, None, params, 0))
+            reader, refusals = wire.FrameReader(), {}
+            while not refusals:
+                data = await asyncio.get_running_loop().run_in_executor(None, sock.recv, 1 << 16)
+                for _, _, failures in reader.feed(data):
+                    refusals.update(failures)
+            await asyncio.gather(first, second)
+            sock.close()
+            return finished, refusals, client.stats()
+        finally:
+            client.shutdown()
+
+    finished, refusals, stats = asyncio.run(main())
+    assert finished == ["first", "second"]
+    assert refusals["direct"].reason == "full"
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_requests"] == 0

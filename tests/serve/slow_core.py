@@ -5,18 +5,21 @@ generations on a tiny model in a core process, so a test can act while streams a
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 from replicas import engine
 from replicas.engine_core import main
-from tests.serve.slow_engine import STEP_DELAY_S
+from tests.serve.slow_engine import STEP_DELAY_ENV, STEP_DELAY_S
 
 if __name__ == "__main__":
     step = engine.LLMEngine.step
 
+    delay_s = float(os.environ.get(STEP_DELAY_ENV, STEP_DELAY_S))
+
     def slow_step(self):
-        time.sleep(STEP_DELAY_S)  # like a slow forward
+        time.sleep(delay_s)  # like a slow forward
         return step(self)
 
     engine.LLMEngine.step = slow_step

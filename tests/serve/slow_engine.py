@@ -10,6 +10,7 @@ from replicas.config import EngineConfig
 from replicas.engine_core_client import EngineCoreClient
 
 STEP_DELAY_S = 0.005
+STEP_DELAY_ENV = "PAGEDSERVE_TEST_STEP_DELAY_S"  # a slow core's delay (tests/serve/slow_core.py)
 
 
 class SlowEngine(AsyncEngine):
@@ -34,3 +35,13 @@ class VerySlowEngine(SlowEngine):
 
 class SlowCoreEngine(EngineCoreClient):
     core_module = "tests.serve.slow_core"
+
+
+class VerySlowCoreEngine(SlowCoreEngine):
+    """VerySlowEngine's steps in an engine core process: ingresses send it requests on its
+    channel."""
+
+    def __init__(self, config: EngineConfig):
+        import os
+        os.environ[STEP_DELAY_ENV] = str(VerySlowEngine.step_delay_s)  # the core inherits it
+        super().__init__(config)

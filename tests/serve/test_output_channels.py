@@ -36,6 +36,10 @@ def core_channel_outputs() -> int:
     return sum(s.get("core_channel_outputs", 0) for s in replica_stats(APP, 2).values())
 
 
+def core_channel_requests() -> int:
+    return sum(s.get("core_channel_requests", 0) for s in replica_stats(APP, 2).values())
+
+
 def events(response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
 
@@ -52,8 +56,11 @@ def test_coalesced_stream_joins_to_the_non_streamed_text(coalesced, request):
             assert "".join(texts) == whole
             assert len([t for t in texts if t]) < 30, "60 tokens in about as many events: not coalesced"
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    # The second stream came by channel: straight from the core where the engine has one.
-    assert (core_channel_outputs() > 0) == ("Core" in request.node.callspec.params["coalesced"])
+    # The second stream came by channel: straight from the core where the engine has one, which
+    # the ingress also sent it to without a Ray call.
+    has_core = "Core" in request.node.callspec.params["coalesced"]
+    assert (core_channel_outputs() > 0) == has_core
+    assert (core_channel_requests() > 0) == has_core
 
 
 def test_coalesced_n2_logprobs_chunks_stay_well_formed(coalesced):
@@ -112,7 +119,7 @@ def test_disconnect_mid_coalesced_stream_frees_the_blocks(coalesced):
 STREAMS = 16
 
 
-def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
+def test_a_killed_replica_fails_exactly_its_own_streams(coalesced, request):
     import ray
 
     body = {"model": MODEL_NAME, "max_tokens": 480, "ignore_eos": True, "temperature": 0,
@@ -152,9 +159,13 @@ def test_a_killed_replica_fails_exactly_its_own_streams(coalesced):
             name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                         if victim in a["name"] and "EngineReplica" in a["name"])
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            return held, await asyncio.gather(*tasks)
+            sent = sum(s.get("core_channel_requests", 0) for s in stats.values())
+            return held, sent, await asyncio.gather(*tasks)
 
-    held, outcomes = asyncio.run(run())
+    sent_before = core_channel_requests()
+    held, sent, outcomes = asyncio.run(run())
+    if "Core" in request.node.callspec.params["coalesced"]:  # the streams went without Ray calls
+        assert sent - sent_before >= STREAMS, (sent, sent_before)
     failed = [o for o in outcomes if o["error"] is not None]
     assert 0 < held < STREAMS and len(failed) == held, (held, outcomes)
     for o in failed:
