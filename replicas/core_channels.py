@@ -87,7 +87,7 @@ class CoreChannels:
             return self._drop(sock)
         try:
             messages = self._readers[sock].feed(data)
-        except ValueError as exc:  # not JSON frames (UnicodeDecodeError, JSONDecodeError too)
+        except (ValueError, RecursionError) as exc:  # not JSON frames of ours
             logger.debug("an output channel sent a bad frame (%s); dropping it", exc)
             return self._drop(sock)
         channel_id = self._channel_of[sock]
@@ -166,16 +166,18 @@ class CoreChannels:
         """Whether request_id came on channel_id (only its own ingress may abort it)."""
         return request_id in self._direct and self._routes.get(request_id) == channel_id
 
-    def refuse(self, channel_id: str, request_id: str, error: BaseException) -> None:
-        """Answer a request the core did not take with its error, at once."""
+    def refuse(self, channel_id: str, request_id: str, error: BaseException) -> list[str]:
+        """Answer a request the core did not take with its error, at once; the requests that
+        came by Ray lost if the channel has failed."""
         sock = self._subscribers.get(channel_id)
         if sock is None:
-            return
+            return []
         try:
             sock.sendall(wire.frame((wire.STEP, [], [(request_id, wire.portable(error))])))
         except OSError as exc:
             logger.debug("output channel %s failed: %r", channel_id, exc)
-            self.abandoned += self._drop(sock)  # none came by Ray on a failed send: abort all
+            return self._drop(sock)
+        return []
 
     def forget(self, request_id: str) -> bool:
         """The request ended otherwise (aborted); whether it was routed here."""

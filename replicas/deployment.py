@@ -121,6 +121,14 @@ def _max_ongoing_requests() -> int | None:
         return None
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
 def _replica_id() -> str:
     try:
         from ray import serve
@@ -151,6 +159,7 @@ class EngineReplica:
             from replicas.async_engine import AsyncEngine
             engine_class = AsyncEngine
         self.engine = engine_class(config)
+        self._stopping = False  # __del__ has run (Ray Serve calls it, then the collector)
         # This process carries an engine core's tokens: off the CPUs the cores run on (the core
         # bound itself before it was ready).
         cpu_binding.keep_off_engine_cpus()
@@ -344,21 +353,30 @@ class EngineReplica:
                 logger.debug("metrics export failed", exc_info=True)
             await asyncio.sleep(METRICS_INTERVAL_S)
 
-    async def __del__(self):
-        """Ray Serve's shutdown, after its own drain of the calls: requests that ingresses sent
-        the core on their channels were no calls of Ray's, so they drain here."""
-        drain = getattr(getattr(self, "engine", None), "drain", None)
-        if drain is not None and self.core_channel is not None and self.engine.is_healthy():
-            from ray import serve
-            config = serve.get_replica_context()._deployment_config
-            # Ray Serve's drain took at least one of its wait loops of the budget.
-            left_s = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
-            try:
-                if not await drain(max(0.0, left_s - DRAIN_MARGIN_S)):
-                    logger.warning("engine replica %s stopped with requests still running",
-                                   self.replica_id)
-            except Exception:  # noqa: BLE001 - the core is gone: nothing left to drain
-                logger.debug("drain failed", exc_info=True)
+    def __del__(self):
+        """Ray Serve's shutdown, after its own drain of the calls (it awaits what this returns):
+        requests that ingresses sent the core on their channels were no calls of Ray's, so they
+        drain here first. Anywhere else (the garbage collector), it stops at once."""
+        if getattr(self, "_stopping", True):  # stopped already, or __init__ never ran
+            return None
+        self._stopping = True
+        if getattr(self.engine, "drain", None) is not None and getattr(self, "core_channel", None) \
+                and self.engine.is_healthy() and _in_event_loop():
+            return self._drain_and_shutdown()
+        self.shutdown()
+        return None
+
+    async def _drain_and_shutdown(self) -> None:
+        from ray import serve
+        config = serve.get_replica_context()._deployment_config
+        # Ray Serve's drain took at least one of its wait loops of the budget.
+        left_s = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
+        try:
+            if not await self.engine.drain(max(0.0, left_s - DRAIN_MARGIN_S)):
+                logger.warning("engine replica %s stopped with requests still running",
+                               self.replica_id)
+        except Exception:  # noqa: BLE001 - the core is gone: nothing left to drain
+            logger.debug("drain failed", exc_info=True)
         self.shutdown()
 
     def shutdown(self) -> None:

@@ -142,8 +142,8 @@ class EngineCore:
     def run(self, conn: _Socket) -> None:
         engine = self.engine
         while True:
-            messages = conn.receive(wait=not engine.has_unfinished_requests() and not self._errors,
-                                    channels=self.channels)
+            idle = not (engine.has_unfinished_requests() or self._errors or self._held)
+            messages = conn.receive(wait=idle, channels=self.channels)
             if messages is None:
                 return
             if conn.lost:
@@ -228,14 +228,23 @@ class EngineCore:
 
     def _add_from(self, channels: CoreChannels, channel_id: str, request_id: str,
                   prompt_token_ids, prompt, block_hashes, params, priority) -> None:
+        error = self._take(request_id, prompt_token_ids, prompt, block_hashes, params,
+                              priority)
+        if error is not None:
+            self._lose(channels.refuse(channel_id, request_id, error))
+        else:
+            channels.accept(request_id, channel_id)
+
+    def _take(self, request_id: str, prompt_token_ids, prompt, block_hashes, params,
+                 priority) -> BaseException | None:
+        """Take a request sent on a channel into the engine: None, or the error saying why not."""
         engine = self.engine
         if self.draining:
-            return channels.refuse(channel_id, request_id, wire.CoreRefused("draining"))
+            return wire.CoreRefused("draining")
         if self._full(waiting=len(self._held)):  # those Ray sent first go first
-            return channels.refuse(channel_id, request_id, wire.CoreRefused("full"))
+            return wire.CoreRefused("full")
         if request_id in engine.requests:
-            return channels.refuse(channel_id, request_id,
-                                   ValueError(f"request id {request_id!r} is already running"))
+            return ValueError(f"request id {request_id!r} is already running")
         try:
             params = wire.params_from_json(params)
             if not isinstance(priority, int):
@@ -245,10 +254,9 @@ class EngineCore:
             engine.add(engine.make_request(
                 request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids,
                              "block_hashes": block_hashes}, params, priority=priority))
-        except (ValueError, TypeError) as exc:  # a request no ingress of ours sends
-            error = exc if isinstance(exc, ValueError) else ValueError(f"bad request: {exc}")
-            return channels.refuse(channel_id, request_id, error)
-        channels.accept(request_id, channel_id)
+        except (ValueError, TypeError) as exc:  # a TypeError: a request no ingress of ours sends
+            return exc if isinstance(exc, ValueError) else ValueError(f"bad request: {exc}")
+        return None
 
     def _step(self) -> list:
         engine = self.engine

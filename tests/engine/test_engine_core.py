@@ -310,7 +310,7 @@ def test_past_the_limit_requests_by_the_replica_wait_in_order_and_channels_are_r
         client = EngineCoreClient(config(model_dir))
         try:
             host, port, token = await client.open_channels("127.0.0.1", max_ongoing_requests=1)
-            sock = socket.create_connection((host, port))
+            sock = socket.create_connection((host, port), timeout=30)
             sock.sendall(wire.channel_hello(token, channel_id))
             finished = []
 
