@@ -83,10 +83,12 @@ class CoreDispatch:
     def __init__(self, links: dict[str, CoreLink], deployment: str, enabled: bool):
         self.links = links  # replica id -> its open core channel (OutputChannels owns them)
         self.deployment = deployment
-        # The router runs on this event loop (Ray's "throughput optimized" placement, which
-        # serve_app/app.py sets); on a loop of its own its state would be shared across threads.
-        from ray.serve._private import constants
-        self.enabled = enabled and not constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+        if enabled:
+            # The router runs on this event loop (Ray's "throughput optimized" placement, which
+            # serve_app/app.py sets); on a loop of its own its state would be shared by threads.
+            from ray.serve._private import constants
+            enabled = not constants.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+        self.enabled = enabled
         self._router = None
 
     def router(self):
