@@ -55,8 +55,9 @@ class PrefixAffinityRouter(RequestRouter):
         self._candidates: list[RunningReplica] | None = None  # the list `_live` was made from
         self._live: dict[str, RunningReplica] = {}
         self._live_ids: tuple[str, ...] = ()  # its keys: the same tuple until the set changes
-        # Every running replica, as Ray last named them: what the ingress's own sends rank.
-        self._dispatch_ids: tuple[str, ...] = ()
+        # Every running replica, as Ray last named them: what the ingress's own sends rank (Ray
+        # may name them before this runs).
+        self._dispatch_ids: tuple[str, ...] = getattr(self, "_dispatch_ids", ())
         replica_events.router_ready(self._deployment_id.app_name, self._deployment_id.name, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -69,10 +70,9 @@ class PrefixAffinityRouter(RequestRouter):
         seen = [(r.replica_id.unique_id, (r.routing_stats or {}).get("last_generation_time"))
                 for r in replicas]
         replica_events.replicas_seen(self._deployment_id.app_name, self._deployment_id.name, seen)
-        if hasattr(self, "state"):
-            ids = tuple(replica_id for replica_id, _ in seen)
-            if ids != self._dispatch_ids:  # the same tuple until the set changes, as `_live_ids`
-                self._dispatch_ids = ids
+        ids = tuple(replica_id for replica_id, _ in seen)
+        if ids != getattr(self, "_dispatch_ids", None):  # one tuple until the set changes
+            self._dispatch_ids = ids
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -101,9 +101,10 @@ class PrefixAffinityRouter(RequestRouter):
         """The ranking for a request the ingress sends itself (`serve_app/core_dispatch.py`),
         counted against no replica yet (`dispatched` does, for the one that takes it); None
         before Ray has named any replica."""
-        if not self._dispatch_ids:
+        live_ids = self._dispatch_ids or self._live_ids  # (what Ray's own calls ranked)
+        if not live_ids:
             return None
-        return self.state.choose(None, block_hashes, self._dispatch_ids)
+        return self.state.choose(None, block_hashes, live_ids)
 
     def dispatched(self, request_id: str, replica_id: str, block_hashes: list[int],
                    decision: Decision) -> float:
