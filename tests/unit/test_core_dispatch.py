@@ -16,6 +16,7 @@ from serve_app.errors import OpenAIError
 from serve_app.replica_stream import OutputChannels, ReplicaStream
 from serve_app.routing.policy import FALLBACK, Decision
 from serve_app.routing.router_state import RouterState
+from tests.unit.test_output_channel import FakeCall
 
 TOKEN = "t" * wire.CHANNEL_TOKEN_BYTES
 
@@ -87,25 +88,11 @@ class RayCall:
 
     def __init__(self, request_id: str):
         self.calls = 0
-        self.items: list[RequestOutput] = []
         self.request_id = request_id
 
-    def __call__(self):
+    def __call__(self) -> FakeCall:
         self.calls += 1
-        self.items = [RequestOutput.from_wire(output(self.request_id, "by Ray", True))]
-        return self
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        if not self.items:
-            raise StopAsyncIteration
-        return self.items.pop(0)
-
-    def cancel(self):
-        self.items = []
+        return FakeCall([RequestOutput.from_wire(output(self.request_id, "by Ray", True))])
 
 
 async def connected(cores: dict[str, FakeCore], ranking: list[str]) -> OutputChannels:
