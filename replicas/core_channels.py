@@ -185,11 +185,15 @@ class CoreChannels:
         return self._routes.pop(request_id, None) is not None
 
     def take_received(self) -> list[tuple[str, list]]:
-        received, self.received = self.received, []
+        received = self.received
+        if received:  # the core asks every step: no new list while nothing came
+            self.received = []
         return received
 
     def take_abandoned(self) -> list[str]:
-        abandoned, self.abandoned = self.abandoned, []
+        abandoned = self.abandoned
+        if abandoned:
+            self.abandoned = []
         return abandoned
 
     def send(self, outputs: list, errors: list[tuple[str, BaseException]]
