@@ -30,22 +30,11 @@ from replicas.engine_core_client import DeliveredOnChannel
 from replicas.output_channel import ChannelClosed, OutputChannel
 from replicas.outputs import RequestOutput
 from replicas.readiness_probe import ReadinessProbe
+from replicas.replica_metrics import ReplicaMetrics
 from replicas.sampling_params import ParamError, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Ray metric names exported by every replica (Prometheus sees them with a `ray_` prefix).
-REPLICA_GAUGES = {
-    "pagedserve_num_requests_waiting": ("num_waiting", "Requests waiting in the engine queue"),
-    "pagedserve_num_requests_running": ("num_running", "Sequences running in the engine batch"),
-    "pagedserve_kv_cache_usage": ("kv_cache_usage", "Fraction of KV-cache blocks in use"),
-    "pagedserve_prefix_cache_hit_rate": ("prefix_cache_hit_rate",
-                                         "Prompt tokens served from the prefix cache / queried"),
-}
-REPLICA_COUNTERS = {
-    "pagedserve_num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later)"),
-    "pagedserve_engine_steps": ("num_steps", "Engine steps run"),
-}
 METRICS_INTERVAL_S = 1.0
 # An output channel without requests for this long ends (a draining replica waits for it).
 CHANNEL_IDLE_TIMEOUT_S = 2.0
@@ -170,7 +159,7 @@ class EngineReplica:
         self._last_progress = time.monotonic()
         self._channels: dict[str, OutputChannel] = {}  # by channel id (one per ingress replica)
         self._channel_requests: dict[OutputChannel, dict[str, asyncio.Future]] = {}
-        self._metrics = _ReplicaMetrics(self.replica_id)
+        self._metrics = ReplicaMetrics(self.replica_id)
         self.core_channel = None  # where ingress replicas connect to the engine core
         self._max_ongoing_requests = _max_ongoing_requests()
         if core_channels and hasattr(self.engine, "open_channels"):
@@ -390,27 +379,3 @@ class EngineReplica:
         inner_shutdown = getattr(getattr(getattr(self, "engine", None), "engine", None), "shutdown", None)
         if inner_shutdown is not None:  # its tensor-parallel ranks
             inner_shutdown()
-
-
-class _ReplicaMetrics:
-    def __init__(self, replica_id: str):
-        from ray.util.metrics import Counter, Gauge
-
-        tags = ("replica",)
-        self.tags = {"replica": replica_id}
-        self.gauges = {key: Gauge(name, description, tag_keys=tags)
-                       for name, (key, description) in REPLICA_GAUGES.items()}
-        self.counters = {key: Counter(name, description, tag_keys=tags)
-                         for name, (key, description) in REPLICA_COUNTERS.items()}
-        self.last_counts: dict[str, float] = {}
-
-    def update(self, stats: dict) -> None:
-        for key, gauge in self.gauges.items():
-            if key in stats:
-                gauge.set(float(stats[key]), tags=self.tags)
-        for key, counter in self.counters.items():
-            if key in stats:
-                increase = float(stats[key]) - self.last_counts.get(key, 0.0)
-                if increase > 0:
-                    counter.inc(increase, tags=self.tags)
-                self.last_counts[key] = float(stats[key])

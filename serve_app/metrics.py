@@ -2,15 +2,15 @@
 
 Everything goes through Ray's metrics (`ray.util.metrics`), which every node exports in Prometheus
 format on its metrics port with a `ray_` prefix; dashboards read those names. The replica's engine
-gauges are defined next to the replica (`replicas.deployment.REPLICA_GAUGES` / `REPLICA_COUNTERS`);
-`/metrics` on the ingress gathers every node's export and keeps only `ray_pagedserve_*`.
+gauges are defined next to the replica (`replicas/replica_metrics.py`); `/metrics` on the ingress
+gathers every node's export and keeps only `ray_pagedserve_*`.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-from replicas.deployment import REPLICA_COUNTERS, REPLICA_GAUGES
+from replicas.replica_metrics import REPLICA_COUNTERS, REPLICA_GAUGES
 
 PREFIX = "pagedserve_"
 EXPORT_PREFIX = "ray_" + PREFIX
