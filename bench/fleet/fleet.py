@@ -58,7 +58,9 @@ class Fleet:
         self.cost_model = cost_model
         self.queue = EventQueue()
         self.replicas: dict[str, SimReplica] = {}
-        self.live: list[str] = []  # routable replicas, in start order
+        # Routable replicas, in start order: a new tuple each time the set changes, as Ray hands
+        # its router a new candidate list (which the router maps only then).
+        self.live: tuple[str, ...] = ()
         self.starting: set[str] = set()
         self.draining: set[str] = set()
         self.ongoing: dict[str, int] = {}
@@ -83,7 +85,8 @@ class Fleet:
 
     def _make_router(self, name: str, seed: int):
         if name == "pagedserve":
-            return PagedServeRouter(self.queue, seed, self.settings.routing, routable=self.live)
+            return PagedServeRouter(self.queue, seed, self.settings.routing,
+                                    routable=lambda: self.live)
         if name == "oracle":
             return OracleRouter(self.replicas, seed, self.settings.routing)
         if name == "approx":
@@ -103,7 +106,7 @@ class Fleet:
                                                self.queue, self._first_token, self._finished)
         self.ongoing[replica_id] = 0
         if ready:
-            self.live.append(replica_id)
+            self.live = (*self.live, replica_id)
         else:
             self.starting.add(replica_id)
             self.queue.after(self.settings.autoscaler.startup_s, lambda: self._ready(replica_id))
@@ -111,7 +114,7 @@ class Fleet:
     def _ready(self, replica_id: str) -> None:
         if replica_id in self.starting:
             self.starting.discard(replica_id)
-            self.live.append(replica_id)
+            self.live = (*self.live, replica_id)
             self._drain_handle_queue()
 
     def _stop_one(self) -> None:
@@ -123,7 +126,7 @@ class Fleet:
             del self.replicas[replica_id]
             return
         replica_id = min(self.live, key=lambda r: self.ongoing[r])
-        self.live.remove(replica_id)
+        self.live = tuple(r for r in self.live if r != replica_id)
         self.draining.add(replica_id)
         self._maybe_remove(replica_id)
 

@@ -11,7 +11,7 @@ fleet's stats delay.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from bench.fleet.replica import Request, SimReplica
 from serve_app.routing.policy import RoutingSettings, choose_replica
@@ -22,11 +22,11 @@ class PagedServeRouter:
     name = "pagedserve"
 
     def __init__(self, clock, seed: int, settings: RoutingSettings | None = None,
-                 routable: list[str] | None = None):
+                 routable: Callable[[], Sequence[str]] | None = None):
         self.state = RouterState(settings or RoutingSettings(), rng=random.Random(seed), clock=clock)
         self.digests: dict[str, dict] = {}  # what RunningReplica.routing_stats holds now
-        self.routable = routable  # the fleet's live list (it changes in place); None: candidates
-        self._retained: tuple[str, ...] | None = None
+        self.routable = routable  # the fleet's live replicas, now; None: the candidates
+        self._retained: Sequence[str] | None = None
 
     def update_replicas(self, digests: Mapping[str, dict]) -> None:
         for replica_id, digest in digests.items():
@@ -34,9 +34,9 @@ class PagedServeRouter:
                 self.state.observe(replica_id, digest)
         self.digests = dict(digests)
 
-    def choose(self, request: Request, live: list[str]):
-        routable = tuple(self.routable if self.routable is not None else live)
-        if routable != self._retained:
+    def choose(self, request: Request, live: Sequence[str]):
+        routable = self.routable() if self.routable is not None else live
+        if routable is not self._retained:  # a new tuple: the set changed
             self._retained = routable
             self.state.retain(routable)
         return self.state.choose(request.request_id, list(request.block_hashes), live).ranking()

@@ -127,25 +127,21 @@ def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: Pref
         return Decision(replica_id, reason, deeper.get(replica_id, common), rest)
 
     if best - common >= settings.min_affinity_blocks:
-        # The holders, as arrays: a hot prefix has tens of them, and numpy's fixed costs beat a
-        # Python pass (with numpy scalars) over each of them.
-        holders = np.fromiter(map(replicas.position.__getitem__, deeper), np.intp, len(deeper))
-        holder_loads = load_list[holders]
-        eligible = holder_loads - least <= settings.load_override_threshold
-        if eligible.any():
+        # The holders: a few to tens for a hot prefix. Their loads in one gather, as floats; then
+        # plain Python, where a dozen numpy calls on arrays this small cost more than the work.
+        positions = list(map(replicas.position.__getitem__, deeper))
+        threshold = settings.load_override_threshold
+        eligible = [(num, load, at) for num, load, at
+                    in zip(deeper.values(), load_list[positions].tolist(), positions)
+                    if load - least <= threshold]
+        if eligible:
             # The most blocks, then the lower load; the rendezvous weight only among those tied.
-            num = np.fromiter(deeper.values(), np.int64, len(deeper))[eligible]
-            holders, holder_loads = holders[eligible], holder_loads[eligible]
-            most = num == num.max()
-            tied = holders[most][holder_loads[most] == holder_loads[most].min()]
-            if len(tied) == 1:
-                pick = int(tied[0])
-            else:  # the first in `ids` order of the heaviest, as max() over them sorted would
-                tied.sort()
-                pick = int(tied[np.argmax(replicas.weights_at(key, tied))])
+            most = max(eligible)[0]
+            lowest = min(load for num, load, _ in eligible if num == most)
+            tied = sorted(at for num, load, at in eligible if num == most and load == lowest)
+            pick = tied[0] if len(tied) == 1 else _heaviest(replicas, key, tied)
         else:  # no holder within the threshold: the least-loaded replicas, all with `common`
-            at_least = np.flatnonzero(load_list == least)
-            pick = int(at_least[np.argmax(replicas.weights(key)[at_least])])
+            pick = _heaviest_least_loaded(replicas, key, load_list, least)
         return decide(pick, AFFINITY if deeper.get(ids[pick], common) == best else LOAD_OVERRIDE)
 
     if num_blocks:
@@ -163,6 +159,26 @@ def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: Pref
             return decide(other, FALLBACK)
 
     return decide(power_of_two_choices(load_list, rng or random), FALLBACK)
+
+
+def _heaviest(replicas: ReplicaSet, key: int, positions) -> int:
+    """The first, in `positions` order (ascending), of the heaviest rendezvous weights there."""
+    if len(positions) <= 8:  # a few: Python's mix is cheaper than numpy's fixed costs
+        return int(max(positions, key=lambda at: replicas.weight(key, at)))
+    positions = np.asarray(positions, dtype=np.intp)
+    return int(positions[np.argmax(replicas.weights_at(key, positions))])
+
+
+def _heaviest_least_loaded(replicas: ReplicaSet, key: int, load_list: np.ndarray,
+                           least: float) -> int:
+    """_heaviest over the replicas whose load is `least` (often hundreds of them): every weight,
+    those of the others zeroed, in a dozen whole-array passes."""
+    weights = replicas.weights(key)
+    weights[load_list != least] = 0
+    pick = int(np.argmax(weights))
+    if load_list[pick] != least:  # every least-loaded weight was 0 (odds ~2^-64): be exact
+        return _heaviest(replicas, key, np.flatnonzero(load_list == least))
+    return pick
 
 
 def _rank_rest(replicas: ReplicaSet, load_list: np.ndarray, common: int, deeper: dict[str, int],

@@ -33,8 +33,8 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from itertools import groupby, islice, repeat, takewhile
-from operator import itemgetter
+from itertools import groupby, islice, repeat
+from operator import indexOf, itemgetter
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
@@ -150,15 +150,19 @@ class PrefixIndex:
         self._inserts[replica_id].append((now, block_hashes))
         if len(block_hashes) - num_held >= self.lazy_min_blocks:
             # Blocks others hold enter the index now (their holders change); the rest may wait.
-            fresh = num_held + sum(1 for _ in takewhile(self._holders.__contains__,
-                                                         islice(block_hashes, num_held, None)))
+            try:  # the first block nobody holds, found in C
+                fresh = num_held + indexOf(map(self._holders.__contains__,
+                                               islice(block_hashes, num_held, None)), False)
+            except ValueError:
+                fresh = len(block_hashes)
             if len(block_hashes) - fresh >= self.lazy_min_blocks:
-                self._add(replica_id, block_hashes[num_held:fresh])
+                self._add(replica_id, block_hashes[num_held:fresh], from_root=not num_held)
                 tail = (replica_id, block_hashes, fresh)
                 self._lazy.setdefault(block_hashes[0], []).append(tail)
                 self._lazy_of.setdefault(replica_id, []).append(tail)
                 return
-        self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes)
+        self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes,
+                  from_root=not num_held)
 
     def remove(self, replica_id: str, block_hashes: Iterable[int], inserted_at: float) -> None:
         """Take back an optimistic insert made at inserted_at (the request went elsewhere); hashes
@@ -307,7 +311,11 @@ class PrefixIndex:
         if root is not None:
             self._runs.pop(root, None)
 
-    def _add(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+    def _add(self, replica_id: str, block_hashes: Iterable[int], from_root: bool = False) -> None:
+        """replica_id holds block_hashes. from_root: they are a chain's leading blocks (an
+        insert's, none held before by the replica), so a remembered run that they grow whole stays
+        true, with replica_id among its holders: a prompt sent past its holders (load-override)
+        leaves its runs for the next request, which otherwise walked its every block again."""
         # Holder sets are frozensets, shared: every hash that only replica_id holds points at one
         # object, so the blocks of a miss enter the index in one C-level pass.
         holders = self._holders
@@ -321,16 +329,47 @@ class PrefixIndex:
         held_by = list(map(holders.setdefault, block_hashes, repeat(single)))
         if held_by.count(single) == len(held_by):
             return
+        # The rest change holders by runs of blocks that had one holder set (a shared context's
+        # blocks all have the same): each run in one C-level update.
+        run_root = self._run_root if self._run_root and not from_root else None
+        roots: set[int | None] = set()  # first blocks of the runs over blocks that change
         grown: dict[frozenset[str], frozenset[str]] = {}  # so equal holder sets stay one object
-        forget = self._forget_runs if self._run_root else None
-        for block_hash, held in zip(block_hashes, held_by):
-            if held is not single and replica_id not in held:
+        end = 0
+        for held, group in groupby(held_by):
+            start, end = end, end + len(list(group))
+            if replica_id not in held:
                 more = grown.get(held)
                 if more is None:
                     more = grown[held] = held | single
-                holders[block_hash] = more
-                if forget is not None:
-                    forget(block_hash)
+                segment = block_hashes[start:end]
+                holders.update(zip(segment, repeat(more)))
+                if run_root is not None:
+                    roots.update(map(run_root.pop, segment, repeat(None)))
+        if from_root:
+            self._grow_runs(block_hashes, held_by[0], grown.get(held_by[0]))
+            return
+        roots.discard(None)
+        for root in roots:
+            self._runs.pop(root, None)
+
+    def _grow_runs(self, block_hashes: Sequence[int], held: frozenset[str],
+                   more: frozenset[str] | None) -> None:
+        """block_hashes, a chain's leading blocks, went from `held` to `more` where their first
+        did (None: it kept its holders, so no block of a run over it changed: they all share its
+        holders). Blocks of a run have one holder set, so a run within them changed whole and
+        stays; one past their end (or off their chain) changed in part and is forgotten. No other
+        root's run holds a block of this chain: a chained hash names its whole prefix."""
+        root = block_hashes[0]
+        runs = self._runs.get(root)
+        if more is None or not runs:
+            return
+        num = len(block_hashes)
+        kept = [(length, last, more) for length, last, _ in runs
+                if length <= num and block_hashes[length - 1] == last]
+        if kept:
+            self._runs[root] = kept
+        else:
+            del self._runs[root]
 
     def _discard(self, replica_id: str, block_hashes: Iterable[int]) -> None:
         holders = self._holders

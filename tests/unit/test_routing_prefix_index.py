@@ -84,9 +84,21 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     index.observe("r2", wire_stream(1, [encode_event(0, BlockRemoved([context[12]]))], None), 2.0)
     assert context[0] not in index._runs
     assert index.match(query, ["r1", "r2"]) == {"r1": 40, "r2": 12}
-    # r3 is sent the whole prompt: the runs over it change holders, and are remembered anew
+    assert [length for length, _, _ in index._runs[context[0]]] == [12]
+    # r3 is sent the whole prompt (past its holders): the run's blocks all gain r3, so it stays
     index.insert("r3", query, now=2.0)
+    assert [(length, held) for length, _, held in index._runs[context[0]]] == [
+        (12, frozenset({"r1", "r2", "r3"}))]
+    looked_up.clear()
+    monkeypatch.setattr(index, "_holders", type("Spy", (dict,), {
+        "get": lambda self, h, d=None: looked_up.append(h) or holders_get(h, d)})(index._holders))
     assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 12, "r3": 41}
+    assert context[5] not in looked_up and context[12] in looked_up
+    monkeypatch.undo()
+    # r4 is sent the first 8 blocks only: the run reaches past them, so it is forgotten
+    index.insert("r4", query[:8], now=2.0)
+    assert context[0] not in index._runs
+    assert index.match(query, ["r1", "r2", "r3", "r4"]) == {"r1": 40, "r2": 12, "r3": 41, "r4": 8}
 
 
 def test_a_cold_prompt_waits_as_a_lazy_tail_matched_by_position_until_the_digest():

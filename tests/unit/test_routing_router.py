@@ -67,8 +67,8 @@ def test_the_simulated_shim_observes_changed_digests_and_keeps_full_replicas():
         def __call__(self):
             return self.now
 
-    live = ["a", "b"]
-    shim = PagedServeRouter(Clock(), seed=0, routable=live)
+    live = ("a", "b")
+    shim = PagedServeRouter(Clock(), seed=0, routable=lambda: live)
     first = {"a": digest(1.0, running=2), "b": digest(1.0)}
     shim.update_replicas(first)
     seen = []
