@@ -161,3 +161,26 @@ def test_defaults_leave_room_for_a_hot_prefix_before_load_wins():
     assert (d.replica_id, d.reason) == ("r1", AFFINITY)
     d = choose(A, {"r1": 17.0, "r2": 0.0, "r3": 0.0}, {"r1": 4}, settings=s)
     assert d.reason == LOAD_OVERRIDE
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_holders,busy", [(5, False), (40, False), (5, True)])
+def test_ties_among_many_replicas_go_to_the_rendezvous_winner(seed, num_holders, busy):
+    """Past a few tied replicas (holders, or the least loaded) the weights are compared in numpy:
+    the same winner as weighing each replica on its own."""
+    rng = random.Random(seed)
+    ids = [f"replica-{i:03d}" for i in range(60)]
+    loads = {r: float(rng.choice([0, 0, 1])) for r in ids}
+    holders = rng.sample(ids, num_holders)
+    for r in holders:
+        loads[r] = 9.0 if busy else float(rng.choice([0, 0, 1]))
+    settings = RoutingSettings(load_override_threshold=4)
+    if not busy:  # equal matches: the lowest load among them, then the weight
+        lowest = min(loads[r] for r in holders)
+        tied, reason = [r for r in holders if loads[r] == lowest], AFFINITY
+    else:  # every holder is too busy: the least-loaded replicas (none of them a holder)
+        tied, reason = [r for r in ids if loads[r] == 0.0], LOAD_OVERRIDE
+    assert len(tied) > 1
+    winner = max(tied, key=lambda r: rendezvous_weight(A[0], r))
+    d = choose(A, loads, {r: 4 for r in holders}, settings)
+    assert (d.replica_id, d.reason) == (winner, reason)
