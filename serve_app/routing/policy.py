@@ -172,10 +172,8 @@ def _heaviest(replicas: ReplicaSet, key: int, positions) -> int:
 def _heaviest_least_loaded(replicas: ReplicaSet, key: int, load_list: np.ndarray,
                            least: float) -> int:
     """_heaviest over the replicas whose load is `least` (often hundreds of them): every weight,
-    those of the others zeroed, in a dozen whole-array passes."""
-    weights = replicas.weights(key)
-    weights[load_list != least] = 0
-    pick = int(np.argmax(weights))
+    those of the others zeroed, in a few whole-array passes."""
+    pick = int(np.argmax(np.where(load_list == least, replicas.kept_weights(key), 0)))
     if load_list[pick] != least:  # every least-loaded weight was 0 (odds ~2^-64): be exact
         return _heaviest(replicas, key, np.flatnonzero(load_list == least))
     return pick

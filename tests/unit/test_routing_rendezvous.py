@@ -2,6 +2,10 @@
 import random
 from collections import Counter
 
+import numpy as np
+import pytest
+
+from serve_app.routing import rendezvous
 from serve_app.routing.rendezvous import ReplicaSet, rendezvous_home, rendezvous_weight
 
 
@@ -25,3 +29,17 @@ def test_homes_spread_evenly_and_move_little_when_a_replica_goes():
     rest = ids[1:]
     moved = [k for k in keys if homes[k] != ids[0] and rendezvous_home(k, rest) != homes[k]]
     assert moved == []  # only the keys of the replica that went move
+
+
+def test_kept_weights_are_the_weights_read_only_and_bounded(monkeypatch):
+    monkeypatch.setattr(rendezvous, "KEPT_WEIGHTS_BYTES", 0)  # the floor: 16 keys
+    replicas = ReplicaSet([f"replica-{i}" for i in range(50)])
+    first = replicas.kept_weights(7)
+    assert np.array_equal(first, replicas.weights(7))
+    assert replicas.kept_weights(7) is first  # kept: the same array, not weighed again
+    with pytest.raises(ValueError):
+        first[0] = 0  # a caller cannot spoil the next decision's weights
+    for key in range(100, 116):
+        replicas.kept_weights(key)
+    assert len(replicas._kept) == 16 and 7 not in replicas._kept  # the oldest went first
+    assert np.array_equal(replicas.kept_weights(7), replicas.weights(7))
