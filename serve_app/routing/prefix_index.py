@@ -149,21 +149,25 @@ class PrefixIndex:
             unstamped = self._unstamped[replica_id] = []
         unstamped.append((now, block_hashes))
         self._inserts[replica_id].append((now, block_hashes))
+        # Sent past the holders of its leading blocks, a prompt's remembered run says who holds
+        # them all, without looking each up (a cache-cold index: the slowest decisions).
+        known = 0 if num_held else self._run_length(block_hashes)
         if len(block_hashes) - num_held >= self.lazy_min_blocks:
             # Blocks others hold enter the index now (their holders change); the rest may wait.
+            start = max(num_held, known)
             try:  # the first block nobody holds, found in C
-                fresh = num_held + indexOf(map(self._holders.__contains__,
-                                               islice(block_hashes, num_held, None)), False)
+                fresh = start + indexOf(map(self._holders.__contains__,
+                                            islice(block_hashes, start, None)), False)
             except ValueError:
                 fresh = len(block_hashes)
             if len(block_hashes) - fresh >= self.lazy_min_blocks:
-                self._add(replica_id, block_hashes[num_held:fresh], from_root=not num_held)
+                self._add(replica_id, block_hashes[num_held:fresh], not num_held, known)
                 tail = (replica_id, block_hashes, fresh)
                 self._lazy.setdefault(block_hashes[0], []).append(tail)
                 self._lazy_of.setdefault(replica_id, []).append(tail)
                 return
         self._add(replica_id, block_hashes[num_held:] if num_held else block_hashes,
-                  from_root=not num_held)
+                  not num_held, known)
 
     def remove(self, replica_id: str, block_hashes: Iterable[int], inserted_at: float) -> None:
         """Take back an optimistic insert made at inserted_at (the request went elsewhere); hashes
@@ -312,11 +316,14 @@ class PrefixIndex:
         if root is not None:
             self._runs.pop(root, None)
 
-    def _add(self, replica_id: str, block_hashes: Iterable[int], from_root: bool = False) -> None:
+    def _add(self, replica_id: str, block_hashes: Iterable[int], from_root: bool = False,
+             known: int = 0) -> None:
         """replica_id holds block_hashes. from_root: they are a chain's leading blocks (an
         insert's, none held before by the replica), so a remembered run that they grow whole stays
         true, with replica_id among its holders: a prompt sent past its holders (load-override)
-        leaves its runs for the next request, which otherwise walked its every block again."""
+        leaves its runs for the next request, which otherwise walked its every block again.
+        known: the leading blocks a remembered run covers (from_root only), which all have the
+        first block's holders."""
         # Holder sets are frozensets, shared: every hash that only replica_id holds points at one
         # object, so the blocks of a miss enter the index in one C-level pass.
         holders = self._holders
@@ -327,7 +334,11 @@ class PrefixIndex:
             block_hashes = list(block_hashes)
         # One pass over the (large, cache-cold) index: fresh hashes get `single`, the rest say
         # who held them. Mostly all are fresh or this replica's alone, which `count` sees in C.
-        held_by = list(map(holders.setdefault, block_hashes, repeat(single)))
+        if known:
+            held_by = [holders[block_hashes[0]]] * known
+            held_by += map(holders.setdefault, block_hashes[known:], repeat(single))
+        else:
+            held_by = list(map(holders.setdefault, block_hashes, repeat(single)))
         if held_by.count(single) == len(held_by):
             return
         # The rest change holders by runs of blocks that had one holder set (a shared context's
@@ -352,6 +363,15 @@ class PrefixIndex:
         roots.discard(None)
         for root in roots:
             self._runs.pop(root, None)
+
+    def _run_length(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of block_hashes a remembered run covers (0: none)."""
+        runs = self._runs.get(block_hashes[0]) if block_hashes else None
+        if not runs:
+            return 0
+        num = len(block_hashes)
+        return max((length for length, last, _ in runs
+                    if length <= num and block_hashes[length - 1] == last), default=0)
 
     def _grow_runs(self, block_hashes: Sequence[int], held: frozenset[str],
                    more: frozenset[str] | None) -> None:

@@ -99,6 +99,24 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     index.insert("r4", query[:8], now=2.0)
     assert context[0] not in index._runs
     assert index.match(query, ["r1", "r2", "r3", "r4"]) == {"r1": 40, "r2": 12, "r3": 41, "r4": 8}
+    # r5 is sent the whole prompt too: the run remembered again says who holds its blocks, so
+    # the insert looks none of them up
+    assert [length for length, _, _ in index._runs[context[0]]] == [8]
+    touched = []
+
+    class Spy(dict):
+        def setdefault(self, h, d=None):
+            touched.append(h)
+            return super().setdefault(h, d)
+
+        def __contains__(self, h):
+            touched.append(h)
+            return super().__contains__(h)
+
+    index._holders = Spy(index._holders)
+    index.insert("r5", query, now=2.0)
+    assert context[5] not in touched and context[8] in touched
+    assert index.match(query, ["r1", "r2", "r5"]) == {"r1": 40, "r2": 12, "r5": 41}
 
 
 def test_a_cold_prompt_waits_as_a_lazy_tail_matched_by_position_until_the_digest():
