@@ -228,15 +228,14 @@ class EngineCore:
 
     def _add_from(self, channels: CoreChannels, channel_id: str, request_id: str,
                   prompt_token_ids, prompt, block_hashes, params, priority) -> None:
-        error = self._take(request_id, prompt_token_ids, prompt, block_hashes, params,
-                              priority)
+        error = self._take(request_id, prompt_token_ids, prompt, block_hashes, params, priority)
         if error is not None:
             self._lose(channels.refuse(channel_id, request_id, error))
         else:
             channels.accept(request_id, channel_id)
 
     def _take(self, request_id: str, prompt_token_ids, prompt, block_hashes, params,
-                 priority) -> BaseException | None:
+              priority) -> BaseException | None:
         """Take a request sent on a channel into the engine: None, or the error saying why not."""
         engine = self.engine
         if self.draining:
