@@ -17,9 +17,9 @@ all along, and looking each of its blocks up in a large, cache-cold index was mo
 So the index remembers such runs: from a chain's first block, the length, the last hash and the
 holder set of its leading blocks that all have that one holder set. Since hashes are chained, a
 request whose block at the run's last position equals the run's last hash shares every block
-before it, and skips their lookups. A run is forgotten as soon as any of its blocks changes
-holders (each of them points at its run's first block), so matches stay exact; unless all of them
-gain the same replica at once (a prompt sent past its holders), which leaves them one holder set.
+before it, and skips their lookups (`prefix_runs`). A run is forgotten as soon as any of its
+blocks changes holders, so matches stay exact; unless all of them gain the same replica at once (a
+prompt sent past its holders), which leaves them one holder set.
 
 A request whose prompt nobody holds yet (a tenant's first 6,000-token context: ~450 fresh
 blocks) cost ~120 µs to enter into that index, the slowest decisions at a thousand replicas. So a
@@ -39,12 +39,12 @@ from operator import indexOf, itemgetter
 from typing import Any
 
 from serve_app.routing.cache_mirror import CacheMirror
+from serve_app.routing.prefix_runs import PrefixRuns
 
 DEFAULT_OPTIMISTIC_TTL_S = 10.0
 # Leading blocks with one holder set from which a run is remembered: below this, looking them up
 # costs about what remembering them does.
 RUN_MIN_BLOCKS = 16
-RUNS_PER_ROOT = 4  # prompts that share a first block and a holder set past where they part
 # Fresh blocks of an optimistic insert from which they wait as a lazy tail (see above): a query's
 # own blocks (a 1,200-token question: ~75) enter the index at once, a cold context does not.
 LAZY_MIN_BLOCKS = 128
@@ -102,9 +102,7 @@ class PrefixIndex:
         # hash -> the replicas holding it, by their mirror or optimistically
         self._holders: dict[int, frozenset[str]] = {}
         self._single: dict[str, frozenset[str]] = {}  # replica -> frozenset((replica,))
-        # first hash of a chain -> its remembered runs, [(length, last hash, holders)]
-        self._runs: dict[int, list[tuple[int, int, frozenset[str]]]] = {}
-        self._run_root: dict[int, int] = {}  # hash -> the first hash of the runs covering it
+        self.runs = PrefixRuns()  # of leading blocks with one holder set, by first block
         # first hash of a chain -> its lazy tails [(replica, hashes, start)]: the replica holds
         # hashes[start:] optimistically, not yet in `_holders` (it holds hashes[:start] there)
         self._lazy: dict[int, list[tuple[str, Sequence[int], int]]] = {}
@@ -151,7 +149,7 @@ class PrefixIndex:
         self._inserts[replica_id].append((now, block_hashes))
         # Sent past the holders of its leading blocks, a prompt's remembered run says who holds
         # them all, without looking each up (a cache-cold index: the slowest decisions).
-        known = 0 if num_held else self._run_length(block_hashes)
+        known = 0 if num_held else self.runs.length(block_hashes)
         if len(block_hashes) - num_held >= self.lazy_min_blocks:
             # Blocks others hold enter the index now (their holders change); the rest may wait.
             start = max(num_held, known)
@@ -219,10 +217,9 @@ class PrefixIndex:
         if not survivors:  # a cold prefix
             return PrefixMatch()
         num_blocks = len(block_hashes)
-        start = known = 0  # blocks walked; of them, those known to have first_held as holders
-        for length, last, _held in self._runs.get(root, ()):  # _held: first_held (_forget_runs)
-            if known < length <= num_blocks and block_hashes[length - 1] == last:
-                start = known = length
+        # Blocks walked; of them, those known to have first_held as holders (a run's holders are
+        # its first block's).
+        start = known = self.runs.length(block_hashes)
         rest = islice(block_hashes, start, None) if start else block_hashes
         # Lazily: the walk mostly stops at the first block nobody holds (a query's own blocks).
         held_by = map(self._holders.get, rest, repeat(_EMPTY))
@@ -243,7 +240,7 @@ class PrefixIndex:
                     break
             start += len(list(run))
         if first_run > known and first_run >= self.run_min_blocks:
-            self._remember_run(block_hashes, known, first_run, first_held)
+            self.runs.remember(block_hashes, known, first_run, first_held)
         if common is None:
             return PrefixMatch(num_blocks if survivors else 0)
         deeper.update(zip(survivors, repeat(num_blocks)))
@@ -300,22 +297,6 @@ class PrefixIndex:
         mirror = self._mirrors.get(replica_id)
         return mirror.block_hashes if mirror is not None else _EMPTY
 
-    def _remember_run(self, block_hashes: Sequence[int], known: int, length: int,
-                      held: frozenset[str]) -> None:
-        """Blocks [0, length) of block_hashes have `held` as holders ([0, known) remembered
-        already, under the same first block)."""
-        root = block_hashes[0]
-        runs = [r for r in self._runs.get(root, ()) if r[0] != known][-(RUNS_PER_ROOT - 1):]
-        runs.append((length, block_hashes[length - 1], held))
-        self._runs[root] = runs
-        self._run_root.update(zip(islice(block_hashes, known, length), repeat(root)))
-
-    def _forget_runs(self, block_hash: int) -> None:
-        """block_hash changes holders: the runs over it no longer say who holds their blocks."""
-        root = self._run_root.pop(block_hash, None)
-        if root is not None:
-            self._runs.pop(root, None)
-
     def _add(self, replica_id: str, block_hashes: Iterable[int], from_root: bool = False,
              known: int = 0) -> None:
         """replica_id holds block_hashes. from_root: they are a chain's leading blocks (an
@@ -343,8 +324,7 @@ class PrefixIndex:
             return
         # The rest change holders by runs of blocks that had one holder set (a shared context's
         # blocks all have the same): each run in one C-level update.
-        run_root = self._run_root if self._run_root and not from_root else None
-        roots: set[int | None] = set()  # first blocks of the runs over blocks that change
+        forget = self.runs.forget if self.runs and not from_root else None
         grown: dict[frozenset[str], frozenset[str]] = {}  # so equal holder sets stay one object
         end = 0
         for held, group in groupby(held_by):
@@ -355,53 +335,20 @@ class PrefixIndex:
                     more = grown[held] = held | single
                 segment = block_hashes[start:end]
                 holders.update(zip(segment, repeat(more)))
-                if run_root is not None:
-                    roots.update(map(run_root.pop, segment, repeat(None)))
+                if forget is not None:
+                    forget(segment)
         if from_root:
-            self._grow_runs(block_hashes, held_by[0], grown.get(held_by[0]))
-            return
-        roots.discard(None)
-        for root in roots:
-            self._runs.pop(root, None)
-
-    def _run_length(self, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of block_hashes a remembered run covers (0: none)."""
-        runs = self._runs.get(block_hashes[0]) if block_hashes else None
-        if not runs:
-            return 0
-        num = len(block_hashes)
-        return max((length for length, last, _ in runs
-                    if length <= num and block_hashes[length - 1] == last), default=0)
-
-    def _grow_runs(self, block_hashes: Sequence[int], held: frozenset[str],
-                   more: frozenset[str] | None) -> None:
-        """block_hashes, a chain's leading blocks, went from `held` to `more` where their first
-        did (None: it kept its holders, so no block of a run over it changed: they all share its
-        holders). Blocks of a run have one holder set, so a run within them changed whole and
-        stays; one past their end (or off their chain) changed in part and is forgotten. No other
-        root's run holds a block of this chain: a chained hash names its whole prefix."""
-        root = block_hashes[0]
-        runs = self._runs.get(root)
-        if more is None or not runs:
-            return
-        num = len(block_hashes)
-        kept = [(length, last, more) for length, last, _ in runs
-                if length <= num and block_hashes[length - 1] == last]
-        if kept:
-            self._runs[root] = kept
-        else:
-            del self._runs[root]
+            self.runs.grow(block_hashes, grown.get(held_by[0]))
 
     def _discard(self, replica_id: str, block_hashes: Iterable[int]) -> None:
         holders = self._holders
         single = self._single.get(replica_id, _EMPTY)
         shrunk: dict[frozenset[str], frozenset[str]] = {}
-        forget = self._forget_runs if self._run_root else None
+        changed = []  # their runs are forgotten
         for block_hash in block_hashes:
             held = holders.get(block_hash)
             if held is not None and replica_id in held:
-                if forget is not None:
-                    forget(block_hash)
+                changed.append(block_hash)
                 if len(held) == 1:
                     del holders[block_hash]
                     continue
@@ -409,6 +356,8 @@ class PrefixIndex:
                 if fewer is None:
                     fewer = shrunk[held] = held - single
                 holders[block_hash] = fewer
+        if changed and self.runs:
+            self.runs.forget(changed)
 
     def _stamped(self, replica_id: str) -> dict[int, float] | None:
         """replica_id's optimistic hashes, each with its last insert's time."""

@@ -72,7 +72,7 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     index.observe("r2", snapshot(context[:30]), report_time=1.0)
     query = context + block_hashes(list(range(40 * BS)) + [7] * BS, BS)[40:]
     assert index.match(query, ["r1", "r2", "r3"]) == {"r1": 40, "r2": 30, "r3": 0}
-    assert [length for length, _, _ in index._runs[context[0]]] == [30]
+    assert [length for length, _, _ in index.runs.by_root[context[0]]] == [30]
     looked_up = []
     holders_get = index._holders.get
     monkeypatch.setattr(index, "_holders", type("Spy", (dict,), {
@@ -82,12 +82,12 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     monkeypatch.undo()
     # r2 evicts a block inside the run: the run is forgotten and the match is exact again
     index.observe("r2", wire_stream(1, [encode_event(0, BlockRemoved([context[12]]))], None), 2.0)
-    assert context[0] not in index._runs
+    assert context[0] not in index.runs.by_root
     assert index.match(query, ["r1", "r2"]) == {"r1": 40, "r2": 12}
-    assert [length for length, _, _ in index._runs[context[0]]] == [12]
+    assert [length for length, _, _ in index.runs.by_root[context[0]]] == [12]
     # r3 is sent the whole prompt (past its holders): the run's blocks all gain r3, so it stays
     index.insert("r3", query, now=2.0)
-    assert [(length, held) for length, _, held in index._runs[context[0]]] == [
+    assert [(length, held) for length, _, held in index.runs.by_root[context[0]]] == [
         (12, frozenset({"r1", "r2", "r3"}))]
     looked_up.clear()
     monkeypatch.setattr(index, "_holders", type("Spy", (dict,), {
@@ -97,11 +97,11 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     monkeypatch.undo()
     # r4 is sent the first 8 blocks only: the run reaches past them, so it is forgotten
     index.insert("r4", query[:8], now=2.0)
-    assert context[0] not in index._runs
+    assert context[0] not in index.runs.by_root
     assert index.match(query, ["r1", "r2", "r3", "r4"]) == {"r1": 40, "r2": 12, "r3": 41, "r4": 8}
     # r5 is sent the whole prompt too: the run remembered again says who holds its blocks, so
     # the insert looks none of them up
-    assert [length for length, _, _ in index._runs[context[0]]] == [8]
+    assert [length for length, _, _ in index.runs.by_root[context[0]]] == [8]
     touched = []
 
     class Spy(dict):
