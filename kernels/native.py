@@ -219,6 +219,7 @@ SIGNATURES = {
     "pagedserve_paged_decode_attention": _ATTENTION,
     "pagedserve_paged_prefill_attention": _ATTENTION,
     "pagedserve_argmax_rows": [_PTR, _PTR, _I64, _I64, _I64, _I32, _I32],
+    "pagedserve_sample_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I32, _I32],
     "pagedserve_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32C, _I32, _I32],
     "pagedserve_fused_add_rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, _F32C, _I32, _I32],
     "pagedserve_silu_and_mul": [_PTR, _PTR, _I64, _I64, _I32, _I32],

@@ -102,3 +102,20 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
     for g, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         out[start:end] = x[start:end] @ weights[g].T
     return out
+
+
+def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, scales: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """One token per row of logits [rows, n] from softmax(logits * scales[:, None]) (scales None:
+    1), by inverse CDF at uniforms [rows] in [0, 1): the first index whose running sum of
+    probabilities passes u times their total. Zero-probability entries are never taken: where
+    rounding leaves the target past the end, the last entry of positive probability is. Float64."""
+    x = logits.double()
+    if scales is not None:
+        x = x * scales.double()[:, None]
+    probs = torch.softmax(x, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    index = torch.searchsorted(cdf, uniforms.double()[:, None] * cdf[:, -1:], right=True)[:, 0]
+    n = logits.shape[1]
+    last_positive = n - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.where(index < n, index, last_positive)

@@ -24,6 +24,8 @@ int pagedserve_paged_prefill_attention(void *out, const void *query, int64_t que
                                        int num_threads);
 int pagedserve_argmax_rows(int64_t *out, const void *x, int64_t rows, int64_t n,
                            int64_t row_stride, int dtypes, int num_threads);
+int pagedserve_sample_rows(int64_t *out, const void *x, const double *uniforms, const float *scales,
+                           int64_t rows, int64_t n, int64_t row_stride, int dtypes, int num_threads);
 int pagedserve_rms_norm(void *out, const void *x, const void *weight, int64_t rows, int64_t hidden,
                         float eps, int dtypes, int num_threads);
 int pagedserve_fused_add_rms_norm(void *x, void *residual, const void *weight, int64_t rows,

@@ -90,6 +90,10 @@ PS_ENTRY(pagedserve_paged_prefill_attention, FMT_ATTENTION,
 #define FMT_ARGMAX_ROWS "ppiiiii"
 PS_ENTRY(pagedserve_argmax_rows, FMT_ARGMAX_ROWS,
          pagedserve_argmax_rows(v[0].p, v[1].p, v[2].i, v[3].i, v[4].i, (int)v[5].i, (int)v[6].i))
+#define FMT_SAMPLE_ROWS "ppppiiiii"
+PS_ENTRY(pagedserve_sample_rows, FMT_SAMPLE_ROWS,
+         pagedserve_sample_rows(v[0].p, v[1].p, v[2].p, v[3].p, v[4].i, v[5].i, v[6].i, (int)v[7].i,
+                                (int)v[8].i))
 #define FMT_RMS_NORM "pppiifii"
 PS_ENTRY(pagedserve_rms_norm, FMT_RMS_NORM,
          pagedserve_rms_norm(v[0].p, v[1].p, v[2].p, v[3].i, v[4].i, (float)v[5].f, (int)v[6].i,
@@ -137,7 +141,7 @@ PS_PANEL_ENTRY(pagedserve_quant_linear_i8_panel)
 #define PS_METHOD(kernel) {#kernel, (PyCFunction)(void (*)(void))entry_##kernel, METH_FASTCALL, NULL},
 static PyMethodDef methods[] = {
     PS_METHOD(pagedserve_paged_decode_attention) PS_METHOD(pagedserve_paged_prefill_attention)
-    PS_METHOD(pagedserve_argmax_rows) PS_METHOD(pagedserve_rms_norm)
+    PS_METHOD(pagedserve_argmax_rows) PS_METHOD(pagedserve_sample_rows) PS_METHOD(pagedserve_rms_norm)
     PS_METHOD(pagedserve_fused_add_rms_norm) PS_METHOD(pagedserve_silu_and_mul)
     PS_METHOD(pagedserve_rotary_store_kv) PS_METHOD(pagedserve_linear)
     PS_METHOD(pagedserve_grouped_linear) PS_METHOD(pagedserve_linear_bf16)
@@ -155,10 +159,11 @@ PyMODINIT_FUNC PyInit_pagedserve_cpu(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *signatures = Py_BuildValue(
-        "{ssssssssssssssssssssssssssssssssss}",
+        "{ssssssssssssssssssssssssssssssssssss}",
         "pagedserve_paged_decode_attention", FMT_ATTENTION,
         "pagedserve_paged_prefill_attention", FMT_ATTENTION,
-        "pagedserve_argmax_rows", FMT_ARGMAX_ROWS, "pagedserve_rms_norm", FMT_RMS_NORM,
+        "pagedserve_argmax_rows", FMT_ARGMAX_ROWS, "pagedserve_sample_rows", FMT_SAMPLE_ROWS,
+        "pagedserve_rms_norm", FMT_RMS_NORM,
         "pagedserve_fused_add_rms_norm", FMT_RMS_NORM, "pagedserve_silu_and_mul", FMT_SILU_AND_MUL,
         "pagedserve_rotary_store_kv", FMT_ROTARY_STORE_KV, "pagedserve_linear", FMT_LINEAR,
         "pagedserve_grouped_linear", FMT_LINEAR, "pagedserve_linear_bf16", FMT_LINEAR_BF16,

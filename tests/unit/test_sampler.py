@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import reference
 from replicas import logprobs as logprobs_module
 from replicas.logprobs import compute_prompt_logprobs
 from replicas.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
@@ -354,3 +355,21 @@ def test_prompt_logprobs(monkeypatch, chunk):
         for token_id, logprob in position.items():
             assert math.isclose(logprob.logprob, reference[p, token_id].item(), abs_tol=1e-6)
             assert logprob.rank == order.index(token_id) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=20)], ids=str)
+def test_a_seeded_row_is_drawn_by_inverse_cdf_at_its_generators_uniform(dtype, params):
+    """One float64 uniform per row and step, from the row's own generator, at which the reference
+    inverse-CDF draw of the tempered (and truncated) distribution gives the token; bf16 logits
+    are drawn as they are."""
+    seq = make_seq(seed=5, **params)
+    generator = torch.Generator().manual_seed(seq.sample_seed)
+    sampler = Sampler(1000)
+    for step in range(20):
+        logits = random_logits(1, 1000, seed=step).to(dtype)
+        expected_logits = logits.float() / params["temperature"]
+        apply_top_k_top_p(expected_logits, [seq])
+        u = torch.rand(1, dtype=torch.float64, generator=generator)
+        expected = reference.sample_rows(expected_logits, u)
+        assert sampler(logits.clone(), [seq]).sampled_token_ids == expected.tolist()
