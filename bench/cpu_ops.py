@@ -3,7 +3,8 @@ RMSNorm / fused add + RMSNorm / SiLU-and-mul vs their torch references, the fuse
 store vs the torch calls it replaced (64-wide heads, a third of them KV heads), and a whole step's
 projections on the native packed-panel GEMM (AVX2, and AVX-512 where the CPU has it) vs MKL
 (torch's F.linear) vs oneDNN on prepacked weights; with bf16 weights, the native bf16 GEMM's
-tiles vs torch's bf16 F.linear and oneDNN. Part of `python -m bench.kernels --cpu`.
+tiles vs torch's bf16 F.linear and oneDNN; the random sampler's native draw vs the exponential
+race it replaced. Part of `python -m bench.kernels --cpu`.
 """
 from __future__ import annotations
 
@@ -179,4 +180,38 @@ def run_linear_bf16(args) -> list[dict]:
         print(f"{count:6d} " + " ".join(f"{t[n] * 1e3:8.1f} {row[n + '_gflops']:5.0f} GF/s" for n in t)
               + f" {row['native_bf16_speedup_vs_torch']:8.2f} {row['native_bf16_speedup_vs_onednn']:8.2f}"
               f" {row['native_bf16_speedup_vs_fp32']:8.2f}", flush=True)
+    return rows
+
+
+def _exponential_race(logits: torch.Tensor) -> torch.Tensor:
+    """The random draw the native one replaced: argmax of probs / q, q = -log U per entry."""
+    probs = logits.float().softmax(dim=-1)
+    q = torch.empty_like(probs).uniform_()
+    return probs.div_(q.log_().neg_()).argmax(dim=-1)
+
+
+def run_sample(args) -> list[dict]:
+    """The random sampler's draw (csrc/sample.c, inverse CDF at one uniform per row) against the
+    exponential race it replaced and against kernels.reference.sample_rows, on a step's logits."""
+    from kernels import native_sample, reference
+
+    vocab = args.vocab
+    print(f"\nrandom draw from [rows, {vocab}] logits, {args.threads} thread(s); times in us; "
+          f"x race = exponential race / native")
+    print(f"{'case':38} {'race':>10} {'reference':>10} {'native':>9} {'x race':>7}")
+    rows = []
+    for dtype, dtype_name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        for batch in (1, 8, 32, 64):
+            logits = torch.randn(batch, vocab).to(dtype) * 3
+            uniforms = torch.rand(batch, dtype=torch.float64)
+            t = time_interleaved({"race": lambda: _exponential_race(logits),
+                                  "reference": lambda: reference.sample_rows(logits, uniforms),
+                                  "native": lambda: native_sample.sample_rows(logits, uniforms)},
+                                 min_time_s=args.min_time)
+            name = f"sample {batch} rows {dtype_name}"
+            rows.append(dict(kind="sample", case=name, dtype=dtype_name,
+                             race_us=t["race"] * 1e6, reference_us=t["reference"] * 1e6,
+                             native_us=t["native"] * 1e6, native_speedup_vs_race=t["race"] / t["native"]))
+            print(f"{name:38} {t['race'] * 1e6:10.1f} {t['reference'] * 1e6:10.1f} {t['native'] * 1e6:9.1f} "
+                  f"{t['race'] / t['native']:7.2f}", flush=True)
     return rows

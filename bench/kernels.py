@@ -5,7 +5,8 @@
                                       and bench.cpu_ops: native RMSNorm / SiLU-and-mul vs their torch
                                       references, a step's projections: native GEMM vs MKL vs oneDNN;
                                       bfloat16 (AVX512-BF16 CPUs): the native bf16 GEMM's tiles vs
-                                      torch's bf16 F.linear and oneDNN, and the fp32 GEMM
+                                      torch's bf16 F.linear and oneDNN, and the fp32 GEMM;
+                                      the random sampler's native draw vs the exponential race
     python -m bench.kernels           CUDA: Triton vs reference (correctness), decode KV bandwidth
                                       and prefill TFLOP/s, SDPA (flash) on contiguous K/V as baseline
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import geomean, max_error, time_call, time_interleaved, write_result
-from bench.cpu_ops import run_linear, run_linear_bf16, run_norm_act
+from bench.cpu_ops import run_linear, run_linear_bf16, run_norm_act, run_sample
 from kernels import cpu_features, native, reference, torch_attention
 from kernels.backend import get_attention_backend
 from kernels.metadata import AttentionMetadata
@@ -205,6 +206,8 @@ def run_cpu(args) -> None:
         rows += run_linear(args)
     if "bfloat16" in args.dtype and "linear" in args.ops:
         rows += run_linear_bf16(args)
+    if native.available() and "sample" in args.ops:
+        rows += run_sample(args)
     print()
     for dtype_name in args.dtype:
         for kind in ("attention", "store_kv"):
@@ -324,8 +327,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default=None, help="comma-separated: float32,bfloat16,float16")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steady when cores are shared)")
     p.add_argument("--quick", action="store_true", help="CPU: skip the largest shapes")
-    p.add_argument("--ops", default="attention,norm_act,linear",
-                   help="CPU: comma-separated parts to run (attention, norm_act, linear)")
+    p.add_argument("--ops", default="attention,norm_act,linear,sample",
+                   help="CPU: comma-separated parts to run (attention, norm_act, linear, sample)")
     p.add_argument("--min-time", type=float, default=0.3, help="CPU: seconds of repeats per measurement")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
