@@ -67,45 +67,58 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Repetition (prompt + output tokens, HF/vLLM), then frequency and presence (output tokens
     only, OpenAI).
 
-    The token lists of the rows that need penalties are padded into one [M, L] tensor with the
-    pad id `vocab_size`; counts are scatter-ed into [M, V + 1] and the pad column dropped. A
-    penalty no chosen row uses is skipped (for a row, a neutral penalty is an exact no-op).
+    Each reads and rewrites only the logits of the tokens a row has seen: gathered through the
+    row's token list, rewritten, put back (a token listed twice is written twice, with the same
+    value). Dense [rows, vocab] passes took 15 ms for a repetition penalty, 7 ms for a presence
+    penalty, on 32 rows of 49,152 logits at 2 threads (Zen 4): most of a batch-32 decode step of
+    the default model. For a row, a neutral penalty is an exact no-op, so rows are taken only
+    where theirs is not neutral.
     """
-    rows = [i for i, seq in enumerate(seqs) if has_penalties(seq)]
-    if not rows:
-        return
-    device, (num_rows, vocab_size) = logits.device, logits.shape
-    chosen = [seqs[i] for i in rows]
-    max_len = max(seq.num_tokens for seq in chosen)
-    table = [seq.token_ids + [vocab_size] * (max_len - seq.num_tokens) for seq in chosen]
-    tokens = torch.tensor(table, dtype=torch.long, device=device).clamp_(0, vocab_size)
+    repetition = [(i, seq.token_ids) for i, seq in enumerate(seqs)
+                  if seq.sampling_params.repetition_penalty != 1.0]
+    table = _token_table(logits, repetition)
+    if table is not None:
+        rows, tokens, _, kept = table
+        factor = _column(logits, [seqs[i].sampling_params.repetition_penalty for i in kept])
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / factor, values * factor)
+    counted = [(i, seq.output_token_ids) for i, seq in enumerate(seqs)
+               if seq.sampling_params.frequency_penalty != 0.0 or seq.sampling_params.presence_penalty != 0.0]
+    table = _token_table(logits, counted)
+    if table is not None:
+        rows, tokens, listed, kept = table
+        params = [seqs[i].sampling_params for i in kept]
+        values = logits[rows, tokens]
+        if any(p.frequency_penalty != 0.0 for p in params):
+            counts = torch.zeros(len(kept), logits.shape[1], dtype=logits.dtype, device=logits.device)
+            counts = counts.scatter_add_(1, tokens, listed.to(logits.dtype)).gather(1, tokens)
+            values = values - _column(logits, [p.frequency_penalty for p in params]) * counts
+        if any(p.presence_penalty != 0.0 for p in params):
+            values = values - _column(logits, [p.presence_penalty for p in params])
+        logits[rows, tokens] = values
 
-    def column(name: str) -> torch.Tensor | None:
-        values = [float(getattr(seq.sampling_params, name)) for seq in chosen]
-        if all(v == (1.0 if name == "repetition_penalty" else 0.0) for v in values):
-            return None
-        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
 
-    all_rows = len(rows) == num_rows
-    index = None if all_rows else torch.tensor(rows, device=device)
-    sub = logits if all_rows else logits[index]
-    repetition = column("repetition_penalty")
-    if repetition is not None:
-        seen = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, tokens, True)
-        factor = torch.where(seen[:, :vocab_size], repetition, 1.0)
-        sub = torch.where(sub > 0, sub / factor, sub * factor)
-    frequency, presence = column("frequency_penalty"), column("presence_penalty")
-    if frequency is not None or presence is not None:
-        prompt_lens = torch.tensor([seq.num_prompt_tokens for seq in chosen], device=device)
-        is_output = torch.arange(max_len, device=device)[None, :] >= prompt_lens[:, None]
-        counts = torch.zeros(len(rows), vocab_size + 1, dtype=logits.dtype, device=device)
-        counts = counts.scatter_add_(1, tokens, is_output.to(logits.dtype))[:, :vocab_size]
-        if frequency is not None:
-            sub = sub - frequency * counts
-        if presence is not None:
-            sub = sub - presence * (counts > 0).to(logits.dtype)
-    if all_rows:
-        logits.copy_(sub)
-    else:
-        logits[index] = sub
+def _column(logits: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+
+def _token_table(logits: torch.Tensor, lists: list[tuple[int, list[int]]]):
+    """[(row of logits, its token ids)] -> (rows [M, 1], tokens [M, L], listed [M, L], the rows
+    kept), or None: ids outside the vocabulary are dropped, lists left with none are dropped, and
+    each list is padded with its own first id (listed False there)."""
+    if not lists:
+        return None
+    device, vocab_size = logits.device, logits.shape[1]
+    width = max(len(ids) for _, ids in lists)
+    tokens = torch.tensor([ids + [-1] * (width - len(ids)) for _, ids in lists], dtype=torch.long)
+    listed = (tokens >= 0) & (tokens < vocab_size)
+    keep = listed.any(dim=1)
+    if not bool(keep.any()):
+        return None
+    first = tokens.gather(1, listed.int().argmax(dim=1, keepdim=True))
+    tokens = torch.where(listed, tokens, first)
+    kept = [row for (row, _), k in zip(lists, keep.tolist()) if k]
+    if len(kept) < len(lists):
+        tokens, listed = tokens[keep], listed[keep]
+    rows = torch.tensor(kept, device=device)[:, None]
+    return rows, tokens.to(device), listed.to(device), kept

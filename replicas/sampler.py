@@ -22,8 +22,10 @@ from replicas.sequence import Sequence
 __all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
 _SEED_MASK = (1 << 64) - 1
-# Tokens a top_p row looks at before falling back to a full sort of its vocabulary.
-TOP_P_CANDIDATES = 256
+# Tokens a top_p row looks at, tier after tier, before falling back to a full sort of its
+# vocabulary. With the default model at temperature 1 and top_p 0.9, 8 % of rows needed more than
+# 256; at 49,152 logits and 2 threads, topk(4096) of a row takes ~0.7 ms, its sort 3.6 ms.
+TOP_P_CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -182,8 +184,10 @@ def _top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Same result as _top_k_top_p_sorted, from the top TOP_P_CANDIDATES tokens of each row.
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
+                 candidates: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Same result as _top_k_top_p_sorted, from the top candidates[0] tokens of each row
+    (default: TOP_P_CANDIDATES), the rows they leave undecided from the next tier's.
 
     In descending order a token survives top_p when 1 - (mass of the tokens above it) > 1 - p
     (vLLM's ascending cumsum, read from the top). The candidates decide a row when top_k cuts
@@ -191,7 +195,8 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
     token past them is dropped. Other rows (a flat distribution, k > candidates) are sorted.
     """
     vocab_size = logits.shape[1]
-    n = min(TOP_P_CANDIDATES, vocab_size)
+    candidates = TOP_P_CANDIDATES if candidates is None else candidates
+    n = min(candidates[0], vocab_size)
     top_values, indices = logits.topk(n, dim=-1)
     k_on = (k < vocab_size)[:, None]
     kth = top_values.gather(1, (k.clamp(max=n) - 1)[:, None])
@@ -210,7 +215,9 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
                               1 - cumulative[:, -1:] <= one_minus_p)[:, 0]
         if not bool(decided.all()):
             rows = torch.nonzero(~decided).flatten()
-            out[rows] = _top_k_top_p_sorted(logits[rows], k[rows], p[rows])
+            rest = candidates[1:]
+            out[rows] = (_top_k_top_p(logits[rows], k[rows], p[rows], rest) if rest
+                         else _top_k_top_p_sorted(logits[rows], k[rows], p[rows]))
     return out
 
 

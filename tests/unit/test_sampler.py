@@ -96,6 +96,19 @@ def test_penalties_match_reference_exactly(repetition, presence, frequency):
         np.testing.assert_array_equal(got[i].numpy(), expected)
 
 
+def test_penalties_ignore_ids_outside_the_vocabulary():
+    """A tokenizer may know more ids than the model has logits (padded vocabularies, the other
+    way round): those take no part, and a row with only such ids is left as it is."""
+    logits = random_logits(2)
+    seqs = [make_seq(prompt=[V + 2], output=[V, 3, V + 1, 3], repetition_penalty=2.0, frequency_penalty=0.5),
+            make_seq(prompt=[V + 5], output=[V + 5], repetition_penalty=2.0, presence_penalty=1.0)]
+    got = logits.clone()
+    apply_penalties(got, seqs)
+    expected = reference_penalties(logits[0].numpy(), [], [3, 3], 2.0, 0.0, 0.5)
+    np.testing.assert_array_equal(got[0].numpy(), expected)
+    assert torch.equal(got[1], logits[1])
+
+
 def test_penalties_touch_only_rows_that_ask():
     logits = random_logits(3)
     seqs = [make_seq(output=[4]), make_seq(output=[4, 4], presence_penalty=1.0),
@@ -200,8 +213,9 @@ def test_top_k_keeps_ties_and_leaves_other_rows_alone():
     assert torch.equal(logits[0, [1, 2, 3]], original[0, [1, 2, 3]])
 
 
-@pytest.mark.parametrize("candidates", [256, 16])
+@pytest.mark.parametrize("candidates", [(256,), (16,), (16, 64), (16, 300, 1000), (2000,)], ids=str)
 def test_top_p_from_candidates_equals_full_sort(monkeypatch, candidates):
+    """Every tier of candidates decides what it can; the rest go to the next tier, then the sort."""
     monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
     generator = torch.Generator().manual_seed(3)
     scales = torch.tensor([0.01, 0.3, 1.0, 3.0, 8.0, 20.0] * 4)[:, None]
