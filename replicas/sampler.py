@@ -192,7 +192,8 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
     In descending order a token survives top_p when 1 - (mass of the tokens above it) > 1 - p
     (vLLM's ascending cumsum, read from the top). The candidates decide a row when top_k cuts
     inside them (no tie at the k-th value runs past them), or, with top_k off, when the first
-    token past them is dropped. Other rows (a flat distribution, k > candidates) are sorted.
+    token past them is dropped. Other rows (a flat distribution, k > candidates) go to the next
+    tier, and past the last to a sort of the row.
     """
     vocab_size = logits.shape[1]
     candidates = TOP_P_CANDIDATES if candidates is None else candidates
