@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
 from kernels.native import BF16_DATA, _check, _level_library
-
-
-def usable(logits: torch.Tensor) -> bool:
-    """Whether sample_rows takes these logits (else kernels.reference.sample_rows does)."""
-    return (logits.dim() == 2 and logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and native.available())
+# The logits it reads are the greedy argmax's (else kernels.reference.sample_rows draws).
+from kernels.native_argmax import usable
 
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, scales: torch.Tensor | None = None,

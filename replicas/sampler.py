@@ -36,8 +36,7 @@ class SamplerOutput:
 
 def _is_plain_greedy(seq: Sequence) -> bool:
     p = seq.sampling_params
-    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias
-            and not has_penalties(seq) and not min_tokens_active(seq))
+    return p.is_greedy and p.logprobs is None and not _edits_logits(seq)
 
 
 class Sampler:

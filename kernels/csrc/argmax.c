@@ -3,7 +3,6 @@
  * torch's CPU argmax measured 1.4 ms on 64 x 49,152 fp32 logits at 2 threads on a Zen 5 (bf16:
  * 5.6 ms), 3-4 % of a batch-64 decode step of the default model. Here each row is read twice,
  * both passes vectorised: its max, then the first block holding it (from cache by then). */
-#include <math.h>
 
 #include "common.h"
 
@@ -11,14 +10,8 @@
 
 static inline __attribute__((always_inline)) int64_t argmax_row(const void *row, int64_t n,
                                                                 const int bf16) {
-    float max = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : max) reduction(| : nan)
-    for (int64_t i = 0; i < n; i++) {
-        float v = ps_load(row, i, bf16);
-        max = v > max ? v : max;
-        nan |= v != v;
-    }
+    int nan;
+    float max = ps_row_max(row, n, bf16, &nan);
     for (int64_t b = 0; b < n; b += PS_ARGMAX_BLOCK) {
         int64_t end = b + PS_ARGMAX_BLOCK < n ? b + PS_ARGMAX_BLOCK : n;
         int hit = 0;
@@ -36,6 +29,10 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *row,
     return 0;  /* n == 0 is refused by the caller; not reached otherwise */
 }
 
+int64_t ps_argmax_row(const void *row, int64_t n, int bf16) {
+    return bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+}
+
 /* out[r] = argmax of x's row r (n values, rows `row_stride` elements apart; fp32, or bf16 with
  * PS_BF16_DATA). */
 int pagedserve_argmax_rows(int64_t *out, const void *x, int64_t rows, int64_t n,
@@ -46,7 +43,7 @@ int pagedserve_argmax_rows(int64_t *out, const void *x, int64_t rows, int64_t n,
 #pragma omp parallel for num_threads(ps_threads(rows * n, PS_GRAIN, num_threads))
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * row_stride * elem;
-        out[r] = bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+        out[r] = ps_argmax_row(row, n, bf16);
     }
     return PS_OK;
 }

@@ -127,6 +127,26 @@ static inline __attribute__((always_inline)) void ps_store(void *p, int64_t i, f
     else ((float *)p)[i] = v;
 }
 
+/* A row's largest value (NaNs skipped) and whether it holds a NaN, in one vectorised pass: the
+ * first pass of both the greedy argmax (csrc/argmax.c) and the random draw (csrc/sample.c). */
+static inline __attribute__((always_inline)) float ps_row_max(const void *row, int64_t n, const int bf16,
+                                                              int *has_nan) {
+    float max = -__builtin_inff();
+    int nan = 0;
+#pragma omp simd reduction(max : max) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        float v = ps_load(row, i, bf16);
+        max = v > max ? v : max;
+        nan |= v != v;
+    }
+    *has_nan = nan;
+    return max;
+}
+
+/* torch.argmax of one row (csrc/argmax.c): also the random draw's answer for a row without a
+ * distribution. */
+int64_t ps_argmax_row(const void *row, int64_t n, int bf16);
+
 /* tanh(x) from ps_expf, vectorisable like it: 1 - 2 / (e^2x + 1), within ~1e-7 of libm's tanhf
  * in absolute terms (the logits soft cap scales it by the cap). Saturates to +-1 at large |x|. */
 static inline float ps_tanhf(float x) {

@@ -43,21 +43,9 @@ static inline __attribute__((always_inline)) float block_exps(float *e, const vo
 static inline __attribute__((always_inline)) int64_t sample_row(const void *row, int64_t n, float scale,
                                                                 double u, float *block_sums,
                                                                 const int bf16) {
-    float max = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : max) reduction(| : nan)
-    for (int64_t i = 0; i < n; i++) {
-        float v = ps_load(row, i, bf16);
-        max = v > max ? v : max;
-        nan |= v != v;
-    }
-    if (nan || max == INFINITY) {
-        for (int64_t i = 0; i < n; i++) {
-            float v = ps_load(row, i, bf16);
-            if (nan ? v != v : v == max) return i;
-        }
-    }
-    if (max == -INFINITY) return 0;
+    int nan;
+    float max = ps_row_max(row, n, bf16, &nan);
+    if (nan || max == INFINITY || max == -INFINITY) return ps_argmax_row(row, n, bf16);
     float e[PS_SAMPLE_BLOCK];
     int64_t blocks = (n + PS_SAMPLE_BLOCK - 1) / PS_SAMPLE_BLOCK;
     double total = 0.0;
