@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 from replicas.kv_events import (DEFAULT_LOG_CAPACITY, AllBlocksCleared, BlockRemoved, BlockStored,
                                 KVEventLog)
@@ -115,12 +116,15 @@ class BlockManager:
         max_blocks = min((seq.num_tokens - 1) // self.block_size, len(seq.block_hashes))
         if self.sliding_window is not None:
             return self._windowed_hit(seq, max_blocks)
-        hits = []
-        for i in range(max_blocks):
-            block_id = self._cached_block(seq, i)
-            if block_id is None:
+        # The hash lookups in one C-level pass, stopping at the first miss; then the tokens.
+        hits = list(map(self.cached.get, islice(seq.block_hashes, max_blocks)))
+        if None in hits:
+            del hits[hits.index(None):]
+        blocks = self.blocks
+        for i, block_id in enumerate(hits):
+            if blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
+                del hits[i:]
                 break
-            hits.append(block_id)
         return hits, len(hits) * self.block_size
 
     def _windowed_hit(self, seq: Sequence, max_blocks: int) -> tuple[list[int], int]:
@@ -187,20 +191,33 @@ class BlockManager:
         """
         if self.sliding_window is not None:
             self._drop_outside_window(seq, len(computed_blocks))
+        elif not computed_blocks:
+            # Most decode steps: the tokens fit in the blocks held and fill none to register,
+            # so there is nothing to check, take or store (a step of 256 decodes passed each
+            # through all of that).
+            total = seq.num_computed_tokens + num_new_tokens
+            block_size = self.block_size
+            if total <= len(seq.block_table) * block_size and (
+                    not self.enable_prefix_caching
+                    or min(total // block_size, len(seq.block_hashes)) <= seq.num_registered_blocks):
+                return True
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
         total = self._num_tokens_after(seq, num_new_tokens, computed_blocks)
-        for block_id in computed_blocks:
-            if block_id == NULL_BLOCK and self.sliding_window is not None:  # leading, from a hit
-                self.num_dropped[seq.seq_id] = len(seq.block_table) + 1
-            else:
-                self._take(block_id)
-            seq.block_table.append(block_id)
+        table = seq.block_table
+        if computed_blocks:
+            for block_id in computed_blocks:
+                if block_id == NULL_BLOCK and self.sliding_window is not None:  # leading, from a hit
+                    self.num_dropped[seq.seq_id] = len(table) + 1
+                else:
+                    self._take(block_id)
+                table.append(block_id)
+            if len(table) == len(computed_blocks):
+                # The hits are the cache's own blocks (or placeholders): nothing to offer it.
+                seq.num_registered_blocks = max(seq.num_registered_blocks, len(table))
         evicted: list[int] = []
-        while len(seq.block_table) < self.blocks_needed(total):
-            block_id = self._pop_free(evicted)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        for _ in range(self.blocks_needed(total) - len(table)):
+            table.append(self._take_free(evicted))
         if evicted:  # one event for all this call evicted: a removal costs a hash, not an event
             self.kv_events.append(BlockRemoved(evicted))
         if self.enable_prefix_caching:
@@ -258,9 +275,11 @@ class BlockManager:
             del self.free_queue[block_id]
         block.ref_count += 1
 
-    def _pop_free(self, evicted: list[int]) -> int:
-        block_id = next(iter(self.free_queue))  # LRU head; _take removes it
+    def _take_free(self, evicted: list[int]) -> int:
+        """The LRU head of the free queue, taken; its cached content (if any) evicted."""
+        block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
+        block.ref_count = 1
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
@@ -279,8 +298,9 @@ class BlockManager:
             # placeholder: the run breaks.
             if (block.block_hash is not None or block_hash in self.cached
                     or self.sliding_window is not None and block.block_id == NULL_BLOCK):
-                self._log_stored(seq, i - len(stored), stored)
-                stored = []
+                if stored:
+                    self._log_stored(seq, i - len(stored), stored)
+                    stored = []
                 continue
             block.block_hash = block_hash
             block.token_ids = tuple(seq.block_tokens(i))

@@ -125,6 +125,28 @@ def test_stored_events_are_runs_named_by_their_parent():
     assert bm.kv_events.since(1) == [BlockStored(b.block_hashes[2:], b.block_hashes[1])]
 
 
+def test_decode_steps_take_a_block_when_full_and_register_it_the_step_it_fills():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    s = seq(range(6))  # a full block and 2 tokens of the next
+    admit(bm, s)
+    first_event = bm.kv_events.next_seq
+
+    def decode(token):
+        s.append_token(token)
+        assert bm.allocate_slots(s, s.num_tokens - s.num_computed_tokens)
+        s.num_computed_tokens = s.num_tokens
+
+    decode(50)  # 7 tokens: within the blocks held, none fills
+    assert s.block_table == [0, 1] and len(bm.cached) == 1
+    assert bm.kv_events.next_seq == first_event
+    decode(51)  # 8 tokens: block 1 fills now, and is offered to the cache in this step
+    h = s.block_hashes
+    assert s.block_table == [0, 1] and bm.cached == {h[0]: 0, h[1]: 1}
+    assert bm.kv_events.since(first_event) == [BlockStored([h[1]], h[0])]
+    decode(52)  # 9 tokens: a new block
+    assert s.block_table == [0, 1, 2] and bm.num_free_blocks == 5
+
+
 def test_a_block_cached_elsewhere_breaks_a_run():
     bm = BlockManager(num_blocks=16, block_size=BS)
     a = seq(range(13))  # 3 full blocks
