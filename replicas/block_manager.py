@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
+from operator import attrgetter
 
 from replicas.kv_events import (DEFAULT_LOG_CAPACITY, AllBlocksCleared, BlockRemoved, BlockStored,
                                 KVEventLog)
@@ -40,6 +41,10 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()  # kept to re-check a hash hit
+
+
+_ref_count = attrgetter("ref_count")
+_token_ids = attrgetter("token_ids")
 
 
 class BlockManager:
@@ -116,15 +121,17 @@ class BlockManager:
         max_blocks = min((seq.num_tokens - 1) // self.block_size, len(seq.block_hashes))
         if self.sliding_window is not None:
             return self._windowed_hit(seq, max_blocks)
-        # The hash lookups in one C-level pass, stopping at the first miss; then the tokens.
+        # Hash lookups, then the token re-check, each in one C-level pass (a 6,000-token prefix
+        # is 375 blocks): up to the first miss, then up to the first block whose tokens differ.
         hits = list(map(self.cached.get, islice(seq.block_hashes, max_blocks)))
         if None in hits:
             del hits[hits.index(None):]
-        blocks = self.blocks
-        for i, block_id in enumerate(hits):
-            if blocks[block_id].token_ids != tuple(seq.block_tokens(i)):
-                del hits[i:]
-                break
+        stored = list(map(_token_ids, map(self.blocks.__getitem__, hits)))
+        if hits and list(chain.from_iterable(stored)) != seq.prefix_tokens(len(hits)):
+            for i, token_ids in enumerate(stored):  # which block differs
+                if token_ids != tuple(seq.block_tokens(i)):
+                    del hits[i:]
+                    break
         return hits, len(hits) * self.block_size
 
     def _windowed_hit(self, seq: Sequence, max_blocks: int) -> tuple[list[int], int]:
@@ -170,7 +177,7 @@ class BlockManager:
 
     def num_evictable_hits(self, block_ids: list[int]) -> int:
         """How many of these hit blocks are now free (taking them shrinks the free pool)."""
-        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)  # NULL_BLOCK's is 1
+        return list(map(_ref_count, map(self.blocks.__getitem__, block_ids))).count(0)  # NULL_BLOCK's is 1
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -206,12 +213,19 @@ class BlockManager:
         total = self._num_tokens_after(seq, num_new_tokens, computed_blocks)
         table = seq.block_table
         if computed_blocks:
-            for block_id in computed_blocks:
-                if block_id == NULL_BLOCK and self.sliding_window is not None:  # leading, from a hit
-                    self.num_dropped[seq.seq_id] = len(table) + 1
-                else:
-                    self._take(block_id)
-                table.append(block_id)
+            held = computed_blocks
+            if self.sliding_window is not None:  # a windowed hit's leading placeholders
+                num_null = next((i for i, b in enumerate(held) if b != NULL_BLOCK), len(held))
+                if num_null:
+                    self.num_dropped[seq.seq_id] = len(table) + num_null
+                    held = held[num_null:]
+            blocks, free_queue = self.blocks, self.free_queue
+            for block_id in held:  # taken: out of the free queue if it was there
+                block = blocks[block_id]
+                if block.ref_count == 0:
+                    del free_queue[block_id]
+                block.ref_count += 1
+            table.extend(computed_blocks)
             if len(table) == len(computed_blocks):
                 # The hits are the cache's own blocks (or placeholders): nothing to offer it.
                 seq.num_registered_blocks = max(seq.num_registered_blocks, len(table))
@@ -268,12 +282,6 @@ class BlockManager:
 
     def _num_tokens_after(self, seq: Sequence, num_new_tokens: int, computed_blocks) -> int:
         return seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-
-    def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queue[block_id]
-        block.ref_count += 1
 
     def _take_free(self, evicted: list[int]) -> int:
         """The LRU head of the free queue, taken; its cached content (if any) evicted."""

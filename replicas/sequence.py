@@ -96,6 +96,10 @@ class Sequence:
         start = block_index * self.block_size
         return self.token_ids[start:start + self.block_size]
 
+    def prefix_tokens(self, num_blocks: int) -> list[int]:
+        """The tokens of the first num_blocks blocks: their block_tokens end to end."""
+        return self.token_ids[:num_blocks * self.block_size]
+
     def _extend_hashes(self) -> None:
         parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
         for i in range(len(self.block_hashes), self.num_tokens // self.block_size):

@@ -89,6 +89,9 @@ class SimSequence:
     def block_tokens(self, block_index: int) -> tuple[int]:
         return (self.block_hashes[block_index],)
 
+    def prefix_tokens(self, num_blocks: int) -> list[int]:
+        return self.block_hashes[:num_blocks]
+
 
 @dataclass
 class ReplicaSettings:
