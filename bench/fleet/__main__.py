@@ -10,20 +10,18 @@ the ideal: the replicas the offered load needs at full batches and perfect cachi
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, cpu_info
 from bench.fleet import cost_model as costs
 from bench.fleet.autoscaler import AutoscalerSettings
-from bench.fleet.fleet import ROUTERS, Fleet, FleetSettings
+from bench.fleet.fleet import ROUTERS, FleetSettings
 from bench.fleet.replica import ReplicaSettings
-from bench.fleet.report import plot, ratios, summarize
+from bench.fleet.report import plot, ratios
+from bench.fleet.runs import build, make_workload, run_routers
 from bench.fleet.workloads import WORKLOADS, Workload, WorkloadSettings
-from serve_app.routing.policy import RoutingSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,8 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-replicas", type=int, default=None)
     p.add_argument("--startup-s", type=float, default=AutoscalerSettings.startup_s)
+    p.add_argument("--jobs", type=int, default=None,
+                   help="routers simulated at once, each in its own process (default: one per "
+                        "CPU core, at most one per router); 1 runs them one after another here")
     p.add_argument("--profile", action="store_true",
-                   help="profile each router's run (cProfile) and print where its time goes")
+                   help="profile each router's run (cProfile) and print where its time goes "
+                        "(one at a time)")
     p.add_argument("--quick", action="store_true",
                    help="4 replicas, 40 tenants, 20 simulated seconds: a check that it all runs")
     args = p.parse_args(argv)
@@ -78,48 +80,13 @@ def ideal_replica_seconds(workload: Workload, model: costs.CostModel, replica: R
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    model = costs.load(args.cost_model)
-    replica = ReplicaSettings(num_blocks=args.num_blocks, block_size=args.block_size,
-                              max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens)
-    autoscaler = None
-    if args.workload == "diurnal":
-        autoscaler = AutoscalerSettings(min_replicas=args.min_replicas,
-                                        max_replicas=args.max_replicas or 4 * args.replicas,
-                                        startup_s=args.startup_s)
-    settings = FleetSettings(num_replicas=args.replicas, replica=replica,
-                             stats_period_s=args.stats_period_s, stats_delay_s=args.stats_delay_s,
-                             max_queued_requests=args.max_queued_requests, autoscaler=autoscaler,
-                             routing=RoutingSettings(**args.routing_kwargs))
-
-    def workload() -> Workload:
-        return Workload(args.workload, WorkloadSettings(
-            rate=args.rate, duration_s=args.duration_s, block_size=args.block_size,
-            num_stages=args.num_stages, num_tenants=args.tenants,
-            output_tokens=args.output_tokens), args.seed)
-
-    began = time.perf_counter()
-    routers = {}
-    for name in [r.strip() for r in args.routers.split(",") if r.strip()]:
+    model, replica, settings = build(args)
+    names = [r.strip() for r in args.routers.split(",") if r.strip()]
+    for name in names:
         if name not in ROUTERS:
             raise SystemExit(f"unknown router {name!r}: use some of {', '.join(ROUTERS)}")
-        start, cpu = time.perf_counter(), time.process_time()
-        fleet = Fleet(name, workload(), model, settings, args.seed)
-        if args.profile:
-            profiler = cProfile.Profile()
-            profiler.runcall(fleet.run)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-        else:
-            fleet.run()
-        routers[name] = summarize(fleet, time.perf_counter() - start)
-        routers[name]["cpu_s"] = time.process_time() - cpu
-        routers[name]["cpu_us_per_request"] = (routers[name]["cpu_s"] * 1e6
-                                               / max(1, routers[name]["num_requests"]))
-        r = routers[name]
-        print(f"{name:>10}: TTFT p50/p90/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p90_s']:.3f}/"
-              f"{r['ttft_p99_s']:.3f} s  hit {r['hit_rate']:.3f}  rejected {r['rejection_rate']:.3f}"
-              f"  {r['output_tok_s']:.0f} tok/s  {r['replica_seconds']:.0f} replica-s  "
-              f"decision p99 {r['decision_us_p99']:.0f} us  ({r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU)", flush=True)
+    began = time.perf_counter()
+    routers = run_routers(names, args)
     if "oracle" in routers:
         for r in routers.values():
             oracle = routers["oracle"]["hit_rate"]
@@ -127,8 +94,8 @@ def main(argv=None) -> dict:
     result = {"routers": routers, "ratios": ratios(routers), "wall_s": time.perf_counter() - began,
               "command": vars(args) | {"out": str(args.out)}, "cost_model": model.__repr__(),
               "cpu": cpu_info()}
-    if autoscaler is not None:
-        result["ideal_replica_seconds"] = ideal_replica_seconds(workload(), model, replica,
+    if settings.autoscaler is not None:
+        result["ideal_replica_seconds"] = ideal_replica_seconds(make_workload(args), model, replica,
                                                                 args.min_replicas)
     for name, per_stage in result["ratios"].items():
         cells = "  ".join(f"{s['rate']:.0f}/s: TTFT x{s['ttft_p90_theirs_over_ours']:.2f}"

@@ -29,3 +29,18 @@ def test_diurnal_autoscales_and_reports_the_ideal(tmp_path):
     data = json.loads(out.read_text())
     assert data["ideal_replica_seconds"] > 0
     assert data["routers"]["pagedserve"]["replica_seconds"] >= 20.0
+
+
+def test_routers_run_side_by_side_give_the_figures_of_runs_one_after_another(tmp_path):
+    timings = {"wall_s", "cpu_s", "cpu_us_per_request", "decision_us_p50", "decision_us_p99"}
+    runs = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}.json"
+        main(["--replicas", "2", "--rate", "6", "--duration-s", "4", "--tenants", "3",
+              "--num-blocks", "1500", "--num-stages", "2", "--output-tokens", "8",
+              "--routers", "pagedserve,p2c,oracle", "--seed", "5", "--jobs", jobs, "--out", str(out)])
+        routers = json.loads(out.read_text())["routers"]
+        runs[jobs] = {name: {k: v for k, v in r.items() if k not in timings}
+                      for name, r in routers.items()}
+    assert list(runs["2"]) == ["pagedserve", "p2c", "oracle"]  # the order asked for
+    assert runs["2"] == runs["1"]
