@@ -177,7 +177,8 @@ class BlockManager:
 
     def num_evictable_hits(self, block_ids: list[int]) -> int:
         """How many of these hit blocks are now free (taking them shrinks the free pool)."""
-        return list(map(_ref_count, map(self.blocks.__getitem__, block_ids))).count(0)  # NULL_BLOCK's is 1
+        # NULL_BLOCK's ref count is 1: never evictable
+        return list(map(_ref_count, map(self.blocks.__getitem__, block_ids))).count(0)
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -205,8 +206,8 @@ class BlockManager:
             total = seq.num_computed_tokens + num_new_tokens
             block_size = self.block_size
             if total <= len(seq.block_table) * block_size and (
-                    not self.enable_prefix_caching
-                    or min(total // block_size, len(seq.block_hashes)) <= seq.num_registered_blocks):
+                    not self.enable_prefix_caching or min(total // block_size, len(seq.block_hashes))
+                    <= seq.num_registered_blocks):
                 return True
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False

@@ -38,7 +38,8 @@ def test_routers_run_side_by_side_give_the_figures_of_runs_one_after_another(tmp
         out = tmp_path / f"jobs{jobs}.json"
         main(["--replicas", "2", "--rate", "6", "--duration-s", "4", "--tenants", "3",
               "--num-blocks", "1500", "--num-stages", "2", "--output-tokens", "8",
-              "--routers", "pagedserve,p2c,oracle", "--seed", "5", "--jobs", jobs, "--out", str(out)])
+              "--routers", "pagedserve,p2c,oracle", "--seed", "5", "--jobs", jobs,
+              "--out", str(out)])
         routers = json.loads(out.read_text())["routers"]
         runs[jobs] = {name: {k: v for k, v in r.items() if k not in timings}
                       for name, r in routers.items()}
