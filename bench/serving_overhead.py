@@ -15,13 +15,16 @@ after the serving round) are the serving path's own cost.
 
 By default one replica with one torch thread is compared with the offline engine on one thread:
 the same compute, so the ratio is the serving path's own cost. `--replicas 2 --offline-threads 2`
-compares the best each can do on two cores.
+compares the best each can do on two cores; the core-seconds the serving round left idle are
+printed beside it: a fixed cost per run (filling and draining the closed loop over two replicas,
+~1.9 core-seconds on a 2-core Zen 4), so longer runs (`--num-requests 512`) show the steady state.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -155,7 +158,11 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
     itls = sorted(b - a for r in results for a, b in zip(r[3], r[3][1:]))
     output_tokens = sum(r[1] for r in results)
     per_token = 1e6 / max(output_tokens, 1)
+    # What no process used of the machine's cores: with two replicas, mostly the fill and drain of
+    # the closed loop (the replica that ends first waits for the other), a fixed cost per run.
+    idle_core_seconds = (os.cpu_count() or 1) * seconds - cpu_seconds - client_cpu_s
     return {"seconds": seconds, "output_tokens": output_tokens, "cpu_seconds": cpu_seconds,
+            "idle_core_seconds": idle_core_seconds, "cores": os.cpu_count() or 1,
             "cpu_us_per_token": cpu_seconds * per_token,
             # The load generator shares the machine: what it takes, the servers cannot have.
             "client_cpu_us_per_token": client_cpu_s * per_token,
@@ -260,6 +267,8 @@ def main() -> None:
           f"ITL p50 {1e3 * (serving['itl_p50_s'] or 0):.1f}ms, "
           f"{serving['cpu_us_per_token']:.0f} us of serving CPU per token "
           f"(+{serving['client_cpu_us_per_token']:.0f} us in the load generator), "
+          f"{serving['idle_core_seconds']:.1f} of {serving['cores']} cores x "
+          f"{serving['seconds']:.1f}s left idle, "
           f"{serving['tokens_per_event']:.1f} tokens per event)")
     print("  serving CPU per token, by process:", ", ".join(
         f"{name} {us:.0f} us" for name, us in serving["cpu_us_per_token_by_process"].items()))
