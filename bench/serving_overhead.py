@@ -160,9 +160,9 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
     per_token = 1e6 / max(output_tokens, 1)
     # What no process used of the machine's cores: with two replicas, mostly the fill and drain of
     # the closed loop (the replica that ends first waits for the other), a fixed cost per run.
-    idle_core_seconds = (os.cpu_count() or 1) * seconds - cpu_seconds - client_cpu_s
+    cores = os.cpu_count() or 1
     return {"seconds": seconds, "output_tokens": output_tokens, "cpu_seconds": cpu_seconds,
-            "idle_core_seconds": idle_core_seconds, "cores": os.cpu_count() or 1,
+            "idle_core_seconds": cores * seconds - cpu_seconds - client_cpu_s, "cores": cores,
             "cpu_us_per_token": cpu_seconds * per_token,
             # The load generator shares the machine: what it takes, the servers cannot have.
             "client_cpu_us_per_token": client_cpu_s * per_token,

@@ -202,7 +202,8 @@ class BlockManager:
         elif not computed_blocks:
             # Most decode steps: the tokens fit in the blocks held and fill none to register,
             # so there is nothing to check, take or store (a step of 256 decodes passed each
-            # through all of that).
+            # through all of that). _num_tokens_after and _register_full_blocks's count, inline:
+            # as method calls they made this path ~40 % slower (256 decodes: 52 -> 73 us).
             total = seq.num_computed_tokens + num_new_tokens
             block_size = self.block_size
             if total <= len(seq.block_table) * block_size and (
