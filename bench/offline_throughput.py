@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from bench import cpu_level
 from bench.common import write_result
 
 
@@ -68,7 +69,7 @@ def run_transformers(args, requests) -> dict:
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto").eval().to(device)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    generated = 0
+    generated, token_ids = 0, []
     start = time.perf_counter()
     for i in range(0, len(requests), args.hf_batch_size):
         batch = requests[i:i + args.hf_batch_size]
@@ -77,10 +78,11 @@ def run_transformers(args, requests) -> dict:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         new = max(n for _, n in batch)  # a static batch runs until its longest request is done
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=pad)
+        token_ids += [out[j, width:width + n].tolist() for j, (_, n) in enumerate(batch)]
         generated += sum(n for _, n in batch)  # only the tokens each request asked for count
-    return {"seconds": time.perf_counter() - start, "output_tokens": generated}
+    return {"seconds": time.perf_counter() - start, "output_tokens": generated, "output_token_ids": token_ids}
 
 
 def child(args) -> None:
@@ -119,6 +121,7 @@ def add_workload_args(parser: argparse.ArgumentParser, num_requests: int = 128, 
     parser.add_argument("--kv-cache-gb", type=float, default=2.0)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    cpu_level.add_argument(parser)
 
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
@@ -148,6 +151,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    cpu_level.apply(args.cpu_level)
     if args.child:
         return child(args)
 

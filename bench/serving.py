@@ -25,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import cpu_level
 from bench.common import RESULTS_DIR, free_port, write_result
 from bench.peers.vllm_env import vllm_environ, vllm_python
 
@@ -275,9 +276,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of each system, alternating; medians are reported")
+    cpu_level.add_argument(parser)
     parser.add_argument("--startup-timeout-s", type=float, default=600)
     parser.add_argument("--point-timeout-s", type=float, default=900)
     args = parser.parse_args()
+    cpu_level.apply(args.cpu_level)
 
     if args.replicas < 1 or args.threads % args.replicas:
         parser.error("--threads must be a multiple of --replicas")

