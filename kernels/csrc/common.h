@@ -32,11 +32,15 @@ static inline int ps_check_context(const int32_t *table, int64_t table_width, in
     return PS_OK;
 }
 
-/* A hint only: compilers without the builtin lose speed, not correctness. */
+/* A hint only: compilers without the builtin lose speed, not correctness. PS_PREFETCH_L2 stops at
+ * L2 (prefetcht2): for rows fetched far ahead from scattered addresses, where L1's few misses in
+ * flight, not DRAM, would set the pace (see paged_attention.c). */
 #if defined(__GNUC__) || defined(__clang__)
 #define PS_PREFETCH(p) __builtin_prefetch(p)
+#define PS_PREFETCH_L2(p) __builtin_prefetch(p, 0, 1)
 #else
 #define PS_PREFETCH(p) ((void)(p))
+#define PS_PREFETCH_L2(p) ((void)(p))
 #endif
 
 /* a * b + c in one rounding where the CPU has FMA. -std=c11 (ISO C) turns GCC's contraction of
