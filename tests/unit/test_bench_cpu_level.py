@@ -10,8 +10,10 @@ from kernels.cpu_features import OVERRIDE_ENV
 
 
 def test_apply_caps_every_library_at_the_level(monkeypatch):
-    for name in (OVERRIDE_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(name, raising=False)
+    # A copy of the environment, put back after the test: the caps must not reach later tests.
+    environ = {k: v for k, v in os.environ.items()
+               if k not in (OVERRIDE_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    monkeypatch.setattr(os, "environ", environ)
     cpu_level.apply(None)
     assert OVERRIDE_ENV not in os.environ
     cpu_level.apply("avx2")
