@@ -3,6 +3,8 @@ bench/cpu_level.py): torch.cpu's hardware probes answer as a CPU of that level w
 vLLM-CPU loads the kernels it would load there."""
 import os
 
+# bench.cpu_level's OVERRIDE_ENV and CAPS levels, spelled out: this runs in vLLM's environment,
+# where none of our packages can be imported.
 _LEVEL = os.environ.get("PAGEDSERVE_CPU_LEVEL", "")
 if _LEVEL in ("avx2", "avx512"):
     import torch.cpu

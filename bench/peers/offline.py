@@ -39,6 +39,11 @@ CHILD_FLAGS = [("--model", "model"), ("--dtype", "dtype"), ("--threads", "thread
                ("--hf-batch-size", "hf_batch_size"), ("--seed", "seed")]
 
 
+def system_dtype(args, system: str) -> str:
+    """The dtype a system runs at: "vllm-bf16" at bfloat16, every other at args.dtype."""
+    return "bfloat16" if system == "vllm-bf16" else args.dtype
+
+
 def child_argv(args) -> list[str]:
     return [x for flag, name in CHILD_FLAGS if getattr(args, name) is not None
             for x in (flag, str(getattr(args, name)))]
@@ -76,7 +81,7 @@ def run_system(args, system: str, requests: list) -> dict:
             subprocess.run([sys.executable, "-m", "bench.peers.offline", *child_argv(args),
                             "--child", system, "--out", out], check=True)
         elif system.startswith("vllm"):
-            dtype = "bfloat16" if system == "vllm-bf16" else args.dtype
+            dtype = system_dtype(args, system)
             workload_file = os.path.join(tmp, "workload.json")
             with open(workload_file, "w") as f:
                 json.dump(requests, f)
@@ -222,8 +227,7 @@ def run_largest_batch(args) -> dict:
     measure(big, [s for s in args.mfu_systems.split(",") if s], requests, results)
     mfu = {}
     for system, r in results.items():
-        bf16 = system == "vllm-bf16" or args.dtype == "bfloat16"  # "vllm" runs at args.dtype
-        peak = peaks["bfloat16" if bf16 else "float32"]
+        peak = peaks["bfloat16" if system_dtype(args, system) == "bfloat16" else "float32"]
         achieved = flops / r["seconds"] / 1e9
         mfu[system] = {"gflops_per_s": achieved, "peak_gflops_per_s": peak, "mfu": achieved / peak,
                        "tokens_per_s": r["tokens_per_s"]}
@@ -297,8 +301,8 @@ def agreement_table(args, token_ids: dict) -> dict:
     some differences are legitimate: two near-tied logits swap with the summation order, and a
     greedy sequence never rejoins. transformers against vLLM is the yardstick for that: how often
     two independent implementations of the model agree in this dtype."""
-    dtypes = {"pagedserve": args.dtype, "transformers": args.dtype, "vllm": args.dtype, "vllm-bf16": "bfloat16"}
-    systems = [s for s in dtypes if s in token_ids and dtypes[s] == args.dtype]
+    systems = [s for s in ("pagedserve", "transformers", "vllm", "vllm-bf16")
+               if s in token_ids and system_dtype(args, s) == args.dtype]
     table = {}
     for i, a in enumerate(systems):
         for b in systems[i + 1:]:
