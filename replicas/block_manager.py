@@ -23,6 +23,7 @@ from operator import attrgetter
 from replicas.kv_events import (DEFAULT_LOG_CAPACITY, AllBlocksCleared, BlockRemoved, BlockStored,
                                 KVEventLog)
 from replicas.sequence import Sequence
+from replicas.working_set import WorkingSet
 
 NULL_BLOCK = 0  # with a sliding window: the placeholder of dropped blocks, never allocated
 
@@ -70,6 +71,7 @@ class BlockManager:
         self.kv_events = KVEventLog(max_events)
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
+        self.working_set = WorkingSet()  # the reuse those lookups ask the cache to hold
         self.num_slots_allocated = 0  # summed over steps: the KV-waste figure
         self.num_slots_used = 0
 
@@ -158,9 +160,13 @@ class BlockManager:
             return None
         return block_id
 
-    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        self.num_query_tokens += num_query_tokens
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        """A prompt looked up in the prefix cache (on admission, or readmission after a
+        preemption) and how many of its tokens hit."""
+        self.num_query_tokens += seq.num_tokens
         self.num_hit_tokens += num_hit_tokens
+        if self.enable_prefix_caching:
+            self.working_set.touch(islice(seq.block_hashes, seq.num_tokens // self.block_size))
 
     def record_slot_usage(self, running: list[Sequence]) -> None:
         """Count the slots these sequences hold and the ones holding a token (once per step)."""

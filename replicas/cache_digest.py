@@ -25,7 +25,8 @@ DIGEST_VERSION = 2  # 1 was a snapshot of up to 65,536 hashes in every digest
 KV_PRESSURE_START = 0.9
 # The keys of `autoscaling_stats`, which the autoscaling policy reads.
 QUEUE_DEPTH_METRIC = "queue_depth"
-BATCH_OCCUPANCY_METRIC = "batch_occupancy"
+LOAD_METRIC = "load"
+KV_WORKING_SET_METRIC = "kv_working_set"
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,14 +88,21 @@ class RoutingReporter:
 def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START) -> dict[str, float]:
     """For `record_autoscaling_stats()`: Ray Serve window-averages each key per replica.
 
-    `batch_occupancy` (running sequences / max_num_seqs, where the engine's scheduler says its
-    max_num_seqs) is what a replica carries that is not queued: a fleet whose batches are full
-    but whose queues are empty must not scale down on its zero queue depth."""
+    `load` is what a replica carries that is not queued, as a fraction of what it can carry:
+    sequence slots (running / max_num_seqs), KV blocks (long prompts fill the cache long before
+    max_num_seqs run) or compute (`replicas.step_load`), whichever binds first. A fleet whose
+    replicas are full but whose queues are empty must not scale down on its zero queue depth,
+    and one nearing full must scale up before a queue forms. `kv_working_set`
+    (`replicas.working_set`, in replicas' worth of KV cache) is the cache its prompts' reuse
+    needs: a fleet must not scale down below what holds it."""
     stats = async_engine.stats()
     depth = QueueDepth.from_stats(stats)
     out = {QUEUE_DEPTH_METRIC: depth.autoscaling_depth(kv_pressure_start)}
     scheduler = getattr(getattr(async_engine, "engine", None), "scheduler", None)
     max_num_seqs = stats.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
     if max_num_seqs:
-        out[BATCH_OCCUPANCY_METRIC] = min(1.0, depth.num_running / max_num_seqs)
+        out[LOAD_METRIC] = min(1.0, max(depth.num_running / max_num_seqs, depth.kv_cache_usage,
+                                        float(stats.get("compute_utilization", 0.0))))
+    if "kv_working_set" in stats:
+        out[KV_WORKING_SET_METRIC] = float(stats["kv_working_set"])
     return out

@@ -22,6 +22,7 @@ from replicas.block_hash import block_hashes
 from replicas.sampling_params import ParamError, SamplingParams
 from replicas.scheduler import Scheduler, SchedulerOutput
 from replicas.sequence import Sequence, SequenceStatus
+from replicas.step_load import StepLoad
 from replicas.structured import GrammarCompiler, PendingGrammars, attach_grammar
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.pending_grammars = PendingGrammars()
         self.num_steps = 0
+        self.step_load = StepLoad()  # the autoscaler's compute signal
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -164,6 +166,7 @@ class LLMEngine:
         the finished ones under RequestOutputKind.FINAL_ONLY)."""
         if self.pending_grammars:
             self._admit_compiled()
+        began = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.pending_grammars:  # nothing else to do: wait a moment for a grammar
@@ -171,9 +174,12 @@ class LLMEngine:
             return []
         try:
             runner_output = self.runner.execute(scheduler_output)
-            return self.update_from_output(scheduler_output, runner_output)
+            outputs = self.update_from_output(scheduler_output, runner_output)
         except Exception as exc:
             raise self._fail_step(scheduler_output, exc) from exc
+        ended = time.monotonic()
+        self.step_load.record(ended, ended - began, scheduler_output.num_batched_tokens)
+        return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: RunnerOutput) -> list[RequestOutput]:
@@ -221,6 +227,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.block_manager
+        now = time.monotonic()
         return {
             "num_waiting": self.scheduler.num_waiting + len(self.pending_grammars),
             "num_running": self.scheduler.num_running,
@@ -237,6 +244,9 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "kv_slot_waste": bm.kv_slot_waste,
+            # In replicas' worth of KV cache: the cache this replica's prefix reuse needs.
+            "kv_working_set": bm.working_set.measure(now) / bm.num_blocks,
+            "compute_utilization": self.step_load.utilization(now),
             **self.runner.platform,  # dtype, kv_cache_dtype, cpu: model, level, flags, kernels
         }
 

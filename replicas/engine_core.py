@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 # While the engine is busy its stats ride along at most this often (the replica's routing,
 # autoscaling, metrics and stall checks read them about once a second); always when it goes idle.
 STATS_PERIOD_S = 0.05
+# An idle core whose last stats still had load or a prefix working set in them (both fade over
+# their windows: `replicas.step_load`, `replicas.working_set`) sends fresh ones this often until
+# they reach zero, so the autoscaler does not read a replica idle for minutes as busy.
+IDLE_STATS_PERIOD_S = 1.0
 _READ_SIZE = 1 << 20
 
 
@@ -53,12 +57,14 @@ class _Socket:
     def send(self, message: tuple) -> None:
         self.sock.sendall(wire.frame(message))
 
-    def receive(self, wait: bool, channels: CoreChannels | None = None) -> list[tuple] | None:
-        """Every whole message that has arrived (waiting for one if `wait`); None once the
-        replica has closed its end. Output channels' connections are served meanwhile; a
-        subscriber that went away ends the wait (its requests have errors to report)."""
+    def receive(self, wait: bool, channels: CoreChannels | None = None,
+                wait_s: float | None = None) -> list[tuple] | None:
+        """Every whole message that has arrived (waiting for one if `wait`, at most wait_s
+        seconds if given); None once the replica has closed its end. Output channels'
+        connections are served meanwhile; a subscriber that went away ends the wait (its
+        requests have errors to report)."""
         messages: list[tuple] = []
-        timeout = None if wait else 0.0
+        timeout = wait_s if wait else 0.0
         while True:
             watched = [self.sock, *channels.sockets()] if channels is not None else [self.sock]
             readable = select.select(watched, [], [], timeout)[0]
@@ -93,6 +99,7 @@ class EngineCore:
         self._failures = 0
         self._stats_due = True
         self._stats_sent_at = 0.0
+        self._stats_fading = False  # the last stats sent had load or a working set to fade
         self.channels: CoreChannels | None = None  # after the replica asks (open_channels)
         # Requests on an output channel are taken while fewer than this are held (the replica's
         # max_ongoing_requests, which Ray applies to the calls); none while draining.
@@ -143,9 +150,12 @@ class EngineCore:
         engine = self.engine
         while True:
             idle = not (engine.has_unfinished_requests() or self._errors or self._held)
-            messages = conn.receive(wait=idle, channels=self.channels)
+            messages = conn.receive(wait=idle, channels=self.channels,
+                                    wait_s=IDLE_STATS_PERIOD_S if self._stats_fading else None)
             if messages is None:
                 return
+            if idle and self._stats_fading:
+                self._stats_due = True
             if conn.lost:
                 self._lose(conn.lost)
                 conn.lost = []
@@ -293,6 +303,8 @@ class EngineCore:
         if self._stats_due and (not self.engine.has_unfinished_requests()
                                 or now - self._stats_sent_at >= STATS_PERIOD_S):
             stats, self._stats_due, self._stats_sent_at = self.stats(), False, now
+            self._stats_fading = bool(stats.get("compute_utilization")
+                                      or stats.get("kv_working_set"))
         if outputs or self._errors or stats is not None or done:
             errors, self._errors = self._errors, []
             conn.send((wire.STEP, [output.wire() for output in outputs],

@@ -122,7 +122,7 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.allocate_slots(seq, num_new, computed_blocks):
                 break
-            self.block_manager.record_lookup(seq.num_tokens, num_cached)
+            self.block_manager.record_lookup(seq, num_cached)
             self.waiting.popleft()
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING

@@ -1,16 +1,21 @@
-"""Queue-depth autoscaling for the engine replicas: a custom Ray Serve autoscaling policy.
+"""Autoscaling for the engine replicas: a custom Ray Serve autoscaling policy.
 
-Each replica reports `queue_depth` (`record_autoscaling_stats`: waiting sequences plus KV-cache
-pressure, see `replicas.cache_digest`); Ray Serve averages it per replica over
-`look_back_period_s`. Requests still queued in the ingress handles (every replica at its
-`max_ongoing_requests`) are queued too. The policy asks for enough replicas that each holds at
-most `target_queue_depth` of that total; it gives one back only when the rest would hold the total
-with headroom (`downscale_ratio`), so the count does not flap at the boundary.
+Each replica reports three things (`record_autoscaling_stats`, see `replicas.cache_digest`),
+which Ray Serve averages per replica over `look_back_period_s`:
+- `queue_depth`: waiting sequences plus KV-cache pressure. Requests still queued in the ingress
+  handles (every replica at its `max_ongoing_requests`) are queued too.
+- `load`: the fraction of its capacity in use, in sequence slots, KV blocks or compute. A
+  queue forms only once a replica is full, and under continuous batching the climb to full is
+  steep at the end, so waiting for the queue means scaling up after the latency has gone.
+- `kv_working_set`: the KV cache its prompts' prefix reuse needs, in replicas' worth. Scaled
+  below it, requests re-prefill their shared contexts, each replica does several times the
+  work, the queues explode, and the fleet scales back up, in a cycle.
 
-Queue depth alone is 0 while nothing waits, however full the batches: a fleet that just keeps up
-would be scaled down, queue, scale up, and so on. So each replica also reports its
-`batch_occupancy` (running sequences / max_num_seqs), and the policy never gives back a replica
-unless the rest could run what runs now with their batches at most `downscale_ratio` full.
+The policy asks for the most that any of them asks for: replicas to hold the queue at
+`target_queue_depth` each, the load at `target_load` each, and caches that hold
+`cache_coverage` of the working set. It scales up as soon as one is exceeded and down only
+when all have room to spare (the queue and the load with `downscale_ratio` headroom, the working
+set within `cache_fill` of the caches left), in bounded steps (`desired_num_replicas` says why).
 
 Ray Serve wraps the policy with `upscale_delay_s` / `downscale_delay_s` (a change must be wanted
 that long before it happens), `min_replicas` / `max_replicas`, and the scaling factors. A replica
@@ -24,17 +29,37 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.cache_digest import BATCH_OCCUPANCY_METRIC, QUEUE_DEPTH_METRIC
+from replicas.cache_digest import KV_WORKING_SET_METRIC, LOAD_METRIC, QUEUE_DEPTH_METRIC
 
+# Bounds on one decision's step (`desired_num_replicas` says why): up to STEP_UP times the
+# replicas (or 4 more), down by at most 1 / STEP_DOWN of them.
+STEP_UP = 1.5
+STEP_DOWN = 2
 POLICY_PATH = "serve_app.autoscaling:QueueDepthPolicy"
 
 DEFAULTS = dict(
     target_queue_depth=4.0,
     downscale_ratio=0.8,
+    # Each replica's load to aim for: the rest is headroom for the load's growth while new
+    # replicas start.
+    target_load=0.8,
+    # How far ahead the load's trend is followed: the time a replica asked for now takes to
+    # serve (the upscale delay, a replica's start-up, ~30 s, and the stats windows' lag, ~10 s),
+    # with a margin; 0 follows the load as it is.
+    lead_s=60.0,
+    trend_window_s=60.0,  # the load history the trend is fitted over
+    # The share of the fleet's reused prefix working set its KV caches must be able to hold, or
+    # it scales up. Not all of it: a cache a little short of it loses a few hits, which the load
+    # then shows; far short of it, every request re-prefills its shared context: the cliff.
+    cache_coverage=0.8,
+    # The share of the remaining replicas' KV cache the working set may fill for a scale-down:
+    # the rest is for the running sequences' own blocks, which grow with the load the removed
+    # replica hands over.
+    cache_fill=2 / 3,
     upscale_delay_s=10.0,  # Ray Serve LLM's default target is effectively "never": ours scales
     downscale_delay_s=60.0,
-    metrics_interval_s=1.0,  # how often replicas push queue_depth
-    look_back_period_s=5.0,  # the window each replica's queue_depth is averaged over
+    metrics_interval_s=1.0,  # how often replicas push their stats
+    look_back_period_s=5.0,  # the window each replica's stats are averaged over
     graceful_shutdown_timeout_s=120.0,  # long enough for a long generation on a CPU replica
 )
 
@@ -44,18 +69,46 @@ class QueueDepthPolicySettings(BaseModel):
 
     target_queue_depth: float = Field(DEFAULTS["target_queue_depth"], gt=0)
     downscale_ratio: float = Field(DEFAULTS["downscale_ratio"], gt=0, le=1)
+    target_load: float = Field(DEFAULTS["target_load"], gt=0, le=1)
+    lead_s: float = Field(DEFAULTS["lead_s"], ge=0)
+    trend_window_s: float = Field(DEFAULTS["trend_window_s"], gt=0)
+    cache_coverage: float = Field(DEFAULTS["cache_coverage"], ge=0, le=1)
+    cache_fill: float = Field(DEFAULTS["cache_fill"], gt=0, le=1)
 
 
 def desired_num_replicas(total_queue_depth: float, num_replicas: int, target_queue_depth: float,
                          downscale_ratio: float = DEFAULTS["downscale_ratio"],
-                         total_occupancy: float = 0.0) -> int:
-    """Up as soon as the average queue exceeds the target; down only with headroom to spare, in
-    the queues and in the batches (total_occupancy: replicas' worth of full batches running)."""
-    if total_queue_depth > target_queue_depth * num_replicas:
-        return math.ceil(total_queue_depth / target_queue_depth)
+                         total_load: float = 0.0, total_working_set: float = 0.0,
+                         target_load: float = DEFAULTS["target_load"],
+                         cache_coverage: float = DEFAULTS["cache_coverage"],
+                         cache_fill: float = DEFAULTS["cache_fill"]) -> int:
+    """total_load and total_working_set are in replicas' worth (sums of per-replica fractions).
+
+    Both directions move in bounded steps. Up: a queue is a backlog, not a rate, so queue /
+    target (a burst of 1,000 asks for 250) overshoots, and the replicas it asks for arrive after
+    the backlog has gone; at most STEP_UP times the replicas, or 4 more, per decision, as
+    Kubernetes' HPA bounds its own; a queue that persists takes more. Down: each replica
+    removed hands its cached prefixes' traffic to the others, which must prefill it again; half
+    at a time keeps that re-prefill a fraction of the fleet's work."""
+    n = num_replicas
+    # 1e-9: float noise (4 x 0.8 / 0.8 must not ask for 5)
+    by_load = math.ceil(total_load / target_load - 1e-9)
+    by_cache = math.ceil(total_working_set * cache_coverage - 1e-9)
+    wanted = max(by_load, by_cache)
+    if total_queue_depth > target_queue_depth * n:
+        wanted = max(wanted, math.ceil(total_queue_depth / target_queue_depth))
+    if wanted > n:
+        return min(wanted, max(math.ceil(STEP_UP * n - 1e-9), n + 4))
+    # Down with headroom in the load and the cache too: a replica fewer also means less KV cache,
+    # so fewer prefix hits and more prefill for the rest, a load the remaining replicas' figures
+    # cannot show before it happens.
     by_queue = math.ceil(total_queue_depth / (target_queue_depth * downscale_ratio))
-    by_batches = math.ceil(total_occupancy / downscale_ratio - 1e-9)  # 1e-9: float noise of 0.8/0.8
-    return min(num_replicas, max(by_queue, by_batches))
+    by_load = math.ceil(total_load / (target_load * downscale_ratio) - 1e-9)
+    by_cache = math.ceil(total_working_set / cache_fill - 1e-9)
+    floor = max(by_queue, by_load, by_cache)
+    if floor >= n:
+        return n
+    return max(floor, n - max(1, n // STEP_DOWN))
 
 
 def _summed(ctx, metric: str) -> float:
@@ -68,23 +121,54 @@ def total_queue_depth(ctx) -> float:
     return _summed(ctx, QUEUE_DEPTH_METRIC) + float(ctx.total_queued_requests or 0.0)
 
 
-def total_occupancy(ctx) -> float:
-    """Window-averaged batch occupancy summed over running replicas: replicas' worth of running
-    sequences."""
-    return _summed(ctx, BATCH_OCCUPANCY_METRIC)
+def load_trend(history: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (time, load) points, per second; 0 with fewer than 3 or
+    no spread in time."""
+    if len(history) < 3:
+        return 0.0
+    mean_t = sum(t for t, _ in history) / len(history)
+    mean_y = sum(y for _, y in history) / len(history)
+    var = sum((t - mean_t) ** 2 for t, _ in history)
+    if var <= 0:
+        return 0.0
+    return sum((t - mean_t) * (y - mean_y) for t, y in history) / var
 
 
 def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
-           downscale_ratio: float = DEFAULTS["downscale_ratio"]) -> tuple[int, dict[str, Any]]:
-    """`fn(ctx) -> (num_replicas, state)`: Ray Serve's custom autoscaling policy signature."""
+           downscale_ratio: float = DEFAULTS["downscale_ratio"],
+           target_load: float = DEFAULTS["target_load"], lead_s: float = DEFAULTS["lead_s"],
+           trend_window_s: float = DEFAULTS["trend_window_s"],
+           cache_coverage: float = DEFAULTS["cache_coverage"],
+           cache_fill: float = DEFAULTS["cache_fill"]) -> tuple[int, dict[str, Any]]:
+    """`fn(ctx) -> (num_replicas, state)`: Ray Serve's custom autoscaling policy signature.
+
+    A rising load would outrun replicas asked for only once it is there: a replica serves
+    `lead_s` after the policy asks. So the load the policy plans for is the larger of now's and
+    where its trend over `trend_window_s` (kept in the policy state) leads in `lead_s`; a
+    falling trend never plans for less than now's, nor does one that has turned."""
     depth = total_queue_depth(ctx)
-    occupancy = total_occupancy(ctx)
+    load = _summed(ctx, LOAD_METRIC)
+    working_set = _summed(ctx, KV_WORKING_SET_METRIC)
+    state = dict(ctx.policy_state or {})
+    now = getattr(ctx, "current_time", None)
+    planned = load
+    if now is not None and lead_s > 0:
+        history = [(t, y) for t, y in state.get("load_history", ()) if t > now - trend_window_s]
+        history.append((now, load))
+        state["load_history"] = history
+        if now - history[0][0] >= trend_window_s / 2:  # a start-up's first points are no trend
+            # Rising over the window and over its latter half: a load that rose and has fallen
+            # back still fits a rising line over the whole window.
+            recent = [(t, y) for t, y in history if t >= now - trend_window_s / 2]
+            slope = min(load_trend(history), load_trend(recent))
+            planned = max(load, load + slope * lead_s)
     num_replicas = desired_num_replicas(depth, ctx.current_num_replicas, target_queue_depth,
-                                        downscale_ratio, occupancy)
+                                        downscale_ratio, planned, working_set, target_load,
+                                        cache_coverage, cache_fill)
     num_replicas = max(ctx.capacity_adjusted_min_replicas,
                        min(ctx.capacity_adjusted_max_replicas, num_replicas))
-    state = dict(ctx.policy_state or {})
-    state.update(queue_depth=depth, batch_occupancy=occupancy, desired_num_replicas=num_replicas)
+    state.update(queue_depth=depth, load=load, planned_load=planned, kv_working_set=working_set,
+                 desired_num_replicas=num_replicas)
     return num_replicas, state
 
 
@@ -96,8 +180,7 @@ class QueueDepthPolicy:
         self.settings = QueueDepthPolicySettings(**kwargs)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
-        return policy(ctx, target_queue_depth=self.settings.target_queue_depth,
-                      downscale_ratio=self.settings.downscale_ratio)
+        return policy(ctx, **self.settings.model_dump())
 
 
 def autoscaling_config(*, min_replicas: int, max_replicas: int,

@@ -5,7 +5,9 @@ Runs the same workload (same seed) through each router on a fresh simulated flee
 table and the ratios against pagedserve's router, and writes FILE.json and FILE.png. `--quick`
 is a small run for a laptop-sized check; the defaults are small too. The diurnal workload turns on
 the autoscaler (from --min-replicas, starting at --replicas) and reports replica-seconds against
-the ideal: the replicas the offered load needs at full batches and perfect caching, each second.
+the ideal: each second, the fewest replicas that hold its rate at the target queue depth, measured
+in the same simulator at a ladder of constant rates (`bench/fleet/ideal.py`); and the longest
+stretch the queue stayed above 3x the target.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR, cpu_info
 from bench.fleet import cost_model as costs
+from bench.fleet import ideal
 from bench.fleet.autoscaler import AutoscalerSettings
 from bench.fleet.fleet import ROUTERS, FleetSettings
 from bench.fleet.replica import ReplicaSettings
 from bench.fleet.report import plot, ratios
 from bench.fleet.runs import build, make_workload, run_routers
-from bench.fleet.workloads import WORKLOADS, Workload, WorkloadSettings
+from bench.fleet.workloads import WORKLOADS, WorkloadSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-replicas", type=int, default=None)
     p.add_argument("--startup-s", type=float, default=AutoscalerSettings.startup_s)
+    p.add_argument("--ideal-rungs", type=int, default=10,
+                   help="diurnal: constant rates the ideal replica counts are measured at")
+    p.add_argument("--ideal-run-s", type=float, default=120.0,
+                   help="diurnal: simulated seconds of each ideal measurement (half warm-up)")
     p.add_argument("--jobs", type=int, default=None,
                    help="routers simulated at once, each in its own process (default: one per "
                         "CPU core, at most one per router); 1 runs them one after another here")
@@ -66,16 +73,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def ideal_replica_seconds(workload: Workload, model: costs.CostModel, replica: ReplicaSettings,
-                          min_replicas: int) -> float:
-    """Replica-seconds a perfect fleet needs: each second, the offered load's work (uncached
-    prefill, decode at full batches) divided among just enough replicas."""
-    s = workload.settings
-    uncached = s.query_tokens if workload.name in ("llmd", "diurnal") else s.nosharing_prompt_tokens
-    per_request = (uncached * model.prefill_token_s + s.output_tokens
-                   * (model.decode_seq_s + model.step_overhead_s / replica.max_num_seqs))
-    steps = int(s.duration_s)
-    return sum(max(min_replicas, workload.rate_at(t + 0.5) * per_request) for t in range(steps))
+def measure_ideal(args, router: str = "pagedserve") -> dict:
+    """A diurnal run's ideal replica counts (`bench.fleet.ideal`), under pagedserve's router."""
+    model, _, settings = build(args)
+    workload = make_workload(args)
+    rates = ideal.ladder(workload, args.ideal_rungs)
+    needed = ideal.replicas_needed(router, workload, model, settings, rates, args.ideal_run_s,
+                                   settings.autoscaler.target_queue_depth, args.seed,
+                                   settings.autoscaler.max_replicas)
+    return {"rates": rates, "replicas": needed,
+            "replica_seconds": ideal.ideal_replica_seconds(workload, rates, needed,
+                                                           args.min_replicas)}
 
 
 def main(argv=None) -> dict:
@@ -95,14 +103,23 @@ def main(argv=None) -> dict:
               "command": vars(args) | {"out": str(args.out)}, "cost_model": model.__repr__(),
               "cpu": cpu_info()}
     if settings.autoscaler is not None:
-        result["ideal_replica_seconds"] = ideal_replica_seconds(make_workload(args), model, replica,
-                                                                args.min_replicas)
+        began_ideal = time.perf_counter()
+        result["ideal"] = measure_ideal(args)
+        result["ideal_replica_seconds"] = result["ideal"]["replica_seconds"]
+        for r in routers.values():
+            r["replica_seconds_over_ideal"] = r["replica_seconds"] / result["ideal_replica_seconds"]
+        print(f"  ideal replicas at {', '.join(f'{x:.0f}' for x in result['ideal']['rates'])} "
+              f"req/s: {result['ideal']['replicas']} ({time.perf_counter() - began_ideal:.0f} s)")
     for name, per_stage in result["ratios"].items():
         cells = "  ".join(f"{s['rate']:.0f}/s: TTFT x{s['ttft_p90_theirs_over_ours']:.2f}"
                           for s in per_stage)
         print(f"  pagedserve vs {name:>10} (their p90 / ours)  {cells}")
     if "ideal_replica_seconds" in result:
         print(f"  ideal replica-seconds {result['ideal_replica_seconds']:.0f}")
+        for name, r in routers.items():
+            print(f"  {name:>10}: {r['replica_seconds_over_ideal']:.2f}x the ideal, queue above 3x "
+                  f"target for at most {r['longest_overload_s']:.0f} s (upscale delay "
+                  f"{r['upscale_delay_s']:.0f} s), at most {r['max_replicas_used']} replicas")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     png = plot(routers, args.out.with_suffix(".png"),

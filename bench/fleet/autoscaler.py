@@ -20,6 +20,10 @@ class AutoscalerSettings:
     max_replicas: int = 1000
     target_queue_depth: float = DEFAULTS["target_queue_depth"]
     downscale_ratio: float = DEFAULTS["downscale_ratio"]
+    target_load: float = DEFAULTS["target_load"]
+    lead_s: float = DEFAULTS["lead_s"]
+    cache_coverage: float = DEFAULTS["cache_coverage"]
+    cache_fill: float = DEFAULTS["cache_fill"]
     upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
     downscale_delay_s: float = DEFAULTS["downscale_delay_s"]
     metrics_interval_s: float = DEFAULTS["metrics_interval_s"]
@@ -38,8 +42,11 @@ class Autoscaler:
     wanted_direction: int = 0
 
     def __post_init__(self):
-        self.policy = QueueDepthPolicy(target_queue_depth=self.settings.target_queue_depth,
-                                       downscale_ratio=self.settings.downscale_ratio)
+        s = self.settings
+        self.policy = QueueDepthPolicy(target_queue_depth=s.target_queue_depth,
+                                       downscale_ratio=s.downscale_ratio,
+                                       target_load=s.target_load, lead_s=s.lead_s,
+                                       cache_coverage=s.cache_coverage, cache_fill=s.cache_fill)
 
     def push(self, replica_id: str, stats: dict[str, float], now: float) -> None:
         """A replica's `record_autoscaling_stats()`, as it reaches the controller."""

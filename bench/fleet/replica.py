@@ -14,6 +14,7 @@ from replicas.block_manager import BlockManager
 from replicas.cache_digest import RoutingReporter, autoscaling_stats
 from replicas.scheduler import Scheduler
 from replicas.sequence import SequenceStatus
+from replicas.step_load import StepLoad
 
 _seq_ids = itertools.count()
 
@@ -123,14 +124,19 @@ class SimReplica:
         self.busy = False
         self.num_steps = 0
         self.busy_s = 0.0
+        self.step_load = StepLoad()
         self.num_output_tokens = 0
         self.last_generation_time: float | None = None
 
     # -- what the engine's AsyncEngine offers its deployment ----------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
+        now = self.queue.now
         return {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
+                "max_num_seqs": self.settings.max_num_seqs,
                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.hit_rate,
+                "kv_working_set": bm.working_set.measure(now) / bm.num_blocks,
+                "compute_utilization": self.step_load.utilization(now),
                 "last_generation_time": self.last_generation_time}
 
     def record_routing_stats(self) -> dict:
@@ -164,10 +170,12 @@ class SimReplica:
                 num_decode += 1
         duration = self.cost_model.step_time(num_prefill, num_decode)
         self.busy_s += duration
-        self.queue.after(duration, lambda: self._finish_step(out))
+        num_tokens = num_prefill + num_decode
+        self.queue.after(duration, lambda: self._finish_step(out, duration, num_tokens))
 
-    def _finish_step(self, out) -> None:
+    def _finish_step(self, out, duration: float, num_tokens: int) -> None:
         self.num_steps += 1
+        self.step_load.record(self.queue.now, duration, num_tokens)
         sampled = self.scheduler.update(out, [0] * len(out.sampling))
         now = self.queue.now
         if sampled:

@@ -32,6 +32,22 @@ def _summary(fleet: Fleet, stage: int | None) -> dict:
             "num_waiting_at_end": len(picked) - len(served)}
 
 
+def queue_per_replica(fleet: Fleet) -> list[float]:
+    """Each sample's waiting requests (in the handle and in the replicas) per replica."""
+    s = fleet.series
+    return [hq / max(1, n) + rq for hq, rq, n in zip(s["handle_queue"], s["replica_queue"],
+                                                       s["replicas"])]
+
+
+def longest_above(values: list[float], limit: float, period_s: float) -> float:
+    """The longest run of consecutive samples above limit, in seconds."""
+    longest = run = 0
+    for value in values:
+        run = run + 1 if value > limit else 0
+        longest = max(longest, run)
+    return longest * period_s
+
+
 def summarize(fleet: Fleet, wall_s: float) -> dict:
     """The figures the command reports for one router's run. TTFT of requests still waiting at
     the end counts as the time they had waited (a lower bound), so a saturated router's tail is
@@ -41,8 +57,16 @@ def summarize(fleet: Fleet, wall_s: float) -> dict:
     total = _summary(fleet, None)
     output_tokens = sum(r.num_output_tokens for r in fleet.replicas.values()) + fleet.removed_output_tokens
     series = fleet.series
+    autoscaling = {}
+    if fleet.autoscaler is not None:
+        # The goal: no stretch of queue above 3x target longer than one upscale delay.
+        a = fleet.autoscaler.settings
+        autoscaling = {"longest_overload_s": longest_above(
+            queue_per_replica(fleet), 3 * a.target_queue_depth, fleet.settings.sample_period_s),
+            "upscale_delay_s": a.upscale_delay_s, "max_replicas_used": max(series["replicas"])}
     return {
         **total,
+        **autoscaling,
         "output_tok_s": output_tokens / duration,
         "replica_seconds": fleet.replica_seconds,
         "mean_replica_queue": sum(series["replica_queue"]) / max(1, len(series["replica_queue"])),

@@ -92,6 +92,29 @@ def test_the_core_streams_what_the_engine_makes_and_frees_what_it_aborts(tiny_mo
     assert report["num_running"] == 0
 
 
+def test_an_idle_core_keeps_sending_stats_until_its_load_has_faded(tiny_model_dir):
+    """The autoscaler reads a replica's load from the core's last stats: a core that went idle
+    must not leave its busy figure there for good."""
+    from replicas.step_load import DEFAULT_WINDOW_S
+
+    model_dir = str(tiny_model_dir("llama"))
+
+    async def main():
+        client = EngineCoreClient(config(model_dir))
+        try:
+            async for _ in client.generate([5] * 40, SamplingParams(max_tokens=64, **GREEDY), "r"):
+                pass
+            await wait_until(lambda: client.stats()["num_requests"] == 0)
+            busy = client.stats()["compute_utilization"]
+            await wait_until(lambda: client.stats()["compute_utilization"] == 0,
+                             timeout_s=DEFAULT_WINDOW_S + 5)
+            return busy
+        finally:
+            client.shutdown()
+
+    assert asyncio.run(main()) > 0
+
+
 def test_a_core_that_dies_fails_the_requests_it_held(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
 

@@ -2,9 +2,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.autoscaling import (BATCH_OCCUPANCY_METRIC, POLICY_PATH, QUEUE_DEPTH_METRIC,
-                                   QueueDepthPolicy, autoscaling_config, desired_num_replicas,
-                                   policy)
+from serve_app.autoscaling import (KV_WORKING_SET_METRIC, LOAD_METRIC, POLICY_PATH,
+                                   QUEUE_DEPTH_METRIC, STEP_DOWN, QueueDepthPolicy,
+                                   autoscaling_config, desired_num_replicas, load_trend, policy)
 
 
 def ctx(depths, *, queued=0.0, current=None, lo=1, hi=4, state=None):
@@ -23,7 +23,7 @@ def test_desired_replicas_up_at_the_target_down_with_headroom():
     # two replicas, total 3.5: one would hold 3.5 > 0.8 * 4, so keep two; at 3.2 give one back
     assert desired_num_replicas(3.5, 2, target_queue_depth=4, downscale_ratio=0.8) == 2
     assert desired_num_replicas(3.2, 2, target_queue_depth=4, downscale_ratio=0.8) == 1
-    assert desired_num_replicas(0, 3, target_queue_depth=4) == 0
+    assert desired_num_replicas(0, 2, target_queue_depth=4) == 1  # one step: see below
 
 
 def test_policy_sums_replica_depth_and_handle_queue_within_bounds():
@@ -33,7 +33,7 @@ def test_policy_sums_replica_depth_and_handle_queue_within_bounds():
     assert n == 2
     n, _ = policy(ctx({"a": 0.0, "b": 0.0}, lo=1), target_queue_depth=4)
     assert n == 1
-    n, _ = policy(ctx({"a": 0.0, "b": 0.0}, lo=0), target_queue_depth=4)
+    n, _ = policy(ctx({"a": 0.0}, lo=0), target_queue_depth=4)
     assert n == 0
 
 
@@ -73,26 +73,30 @@ def test_autoscaling_config_is_valid_for_ray_serve():
     assert instance(ctx({"a": 5.0}))[0] == 3
 
 
-def occupied(depths, occupancy, **kw):
+def loaded(depths, load, **kw):
     c = ctx(depths, **kw)
-    c.aggregated_metrics[BATCH_OCCUPANCY_METRIC] = dict(occupancy)
+    c.aggregated_metrics[LOAD_METRIC] = dict(load)
     return c
 
 
-def test_a_fleet_with_full_batches_and_empty_queues_does_not_scale_down():
+def test_a_fleet_with_full_replicas_and_empty_queues_does_not_scale_down():
     full = {r: 1.0 for r in "abcd"}
-    n, state = policy(occupied({r: 0.0 for r in "abcd"}, full), target_queue_depth=4)
-    assert n == 4 and state["batch_occupancy"] == 4.0
-    # without the occupancy the same queues ask for the minimum: the oscillation
-    assert policy(ctx({r: 0.0 for r in "abcd"}), target_queue_depth=4)[0] == 1
-    # half-full batches pack onto the replicas that can hold them at most 80% full
-    n, _ = policy(occupied({r: 0.0 for r in "abcd"}, {r: 0.5 for r in "abcd"}), target_queue_depth=4)
-    assert n == 3  # 2 replicas' worth of batches / 0.8 -> 2.5 -> 3
-    assert desired_num_replicas(0.0, 5, 4, 0.8, total_occupancy=4.0) == 5  # 4 / 0.8 is 5, not 6
-    assert desired_num_replicas(9.0, 2, 4, 0.8, total_occupancy=0.0) == 3  # the queue still scales up
+    n, state = policy(loaded({r: 0.0 for r in "abcd"}, full, hi=8), target_queue_depth=4)
+    assert n == 5 and state["load"] == 4.0  # full is past the 0.8 target: one more
+    # without the load the same queues ask for fewer: the oscillation
+    assert policy(ctx({r: 0.0 for r in "abcd"}), target_queue_depth=4)[0] == 2
+    # half-full replicas keep their count: 3 would run at 0.67, past the 0.8 x 0.8 headroom
+    n, _ = policy(loaded({r: 0.0 for r in "abcd"}, {r: 0.5 for r in "abcd"}), target_queue_depth=4)
+    assert n == 4
+    # at 0.4 they pack onto 3 (1.6 / 0.64 -> 2.5 -> 3)
+    n, _ = policy(loaded({r: 0.0 for r in "abcd"}, {r: 0.4 for r in "abcd"}),
+                  target_queue_depth=4)
+    assert n == 3
+    assert desired_num_replicas(0.0, 5, 4, 0.8, total_load=4.0) == 5  # 4 / 0.8 is 5, not 6
+    assert desired_num_replicas(9.0, 2, 4, 0.8, total_load=0.0) == 3  # the queue still scales up
 
 
-def test_replicas_report_their_batch_occupancy():
+def test_replicas_report_their_load_whichever_binds_first():
     from replicas.cache_digest import autoscaling_stats
 
     class Engine:
@@ -104,4 +108,77 @@ def test_replicas_report_their_batch_occupancy():
         def stats(self):
             return {"num_waiting": 0, "num_running": 6, "kv_cache_usage": 0.2}
 
-    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, BATCH_OCCUPANCY_METRIC: 0.75}
+    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.75}
+    AsyncEngine.stats = lambda self: {"num_waiting": 0, "num_running": 2, "kv_cache_usage": 0.9,
+                                      "compute_utilization": 0.5, "kv_working_set": 1.5}
+    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.9,
+                                                KV_WORKING_SET_METRIC: 1.5}
+    AsyncEngine.stats = lambda self: {"num_waiting": 0, "num_running": 2, "kv_cache_usage": 0.1,
+                                      "compute_utilization": 0.95}
+    assert autoscaling_stats(AsyncEngine())[LOAD_METRIC] == 0.95
+
+
+def test_a_burst_scales_up_in_bounded_steps():
+    # 1,000 queued at 2 replicas is a backlog, not a need for 250 replicas
+    assert desired_num_replicas(1000, 2, target_queue_depth=4) == 6  # 2 + 4
+    assert desired_num_replicas(1000, 20, target_queue_depth=4) == 30  # 1.5 x 20
+    assert desired_num_replicas(30, 20, target_queue_depth=1) == 30  # what it asks, if less
+
+
+def test_scaling_down_goes_a_step_at_a_time():
+    n = 12
+    assert desired_num_replicas(0, n, target_queue_depth=4) == n - n // STEP_DOWN
+    assert desired_num_replicas(0, 1, target_queue_depth=4) == 0  # min_replicas bounds it after
+
+
+def test_load_scales_up_before_a_queue_forms():
+    assert desired_num_replicas(0, 4, target_queue_depth=4, total_load=3.6, target_load=0.8) == 5
+    assert desired_num_replicas(0, 4, target_queue_depth=4, total_load=3.2, target_load=0.8) == 4
+
+
+def test_the_working_set_holds_the_fleet_up():
+    # tenants' contexts worth 2.5 replicas of KV cache: 3 replicas would be 83 % full of it,
+    # past the 2/3 a scale-down may leave; 4 stay
+    assert desired_num_replicas(0, 4, 4, total_working_set=2.5) == 4
+    assert desired_num_replicas(0, 4, 4, total_working_set=2.0) == 3  # 2.0 fills 3 to 2/3
+    # a fleet whose caches hold less than 80 % of it thrashes (no queue yet): it grows
+    assert desired_num_replicas(0, 1, 4, total_working_set=2.5) == 2
+    assert desired_num_replicas(0, 2, 4, total_working_set=2.5) == 2
+    assert desired_num_replicas(0, 2, 4, total_working_set=2.5, cache_coverage=1.0) == 3
+
+
+def test_load_trend_is_the_least_squares_slope():
+    assert load_trend([(0, 1.0), (10, 2.0), (20, 3.0)]) == 0.1
+    assert load_trend([(0, 1.0), (10, 2.0)]) == 0.0  # too few points to call a trend
+    assert load_trend([(5, 1.0), (5, 2.0), (5, 3.0)]) == 0.0
+
+
+def timed(load, now, state, n=4):
+    c = loaded({r: 0.0 for r in "abcdefgh"[:n]}, {r: load / n for r in "abcdefgh"[:n]},
+                 state=state, hi=100)
+    c.current_time = now
+    return c
+
+
+def test_a_rising_load_is_planned_for_ahead_and_a_falling_one_is_not():
+    state, num = {}, []
+    for t in range(0, 61, 5):  # 2.0 -> 3.2 replicas' worth over a minute: 0.02 per s
+        n, state = policy(timed(2.0 + 0.02 * t, t, state), target_load=0.8, lead_s=40)
+        num.append(n)
+    # now 3.2 / 0.8 = 4 replicas; in 40 s 4.0 / 0.8 = 5
+    assert state["planned_load"] == pytest.approx(4.0) and num[-1] == 5
+    assert num[0] == 4  # the first points are no trend: 2.0 keeps 4 (2.0 / 0.64 -> 4)
+    state = {}
+    for t in range(0, 61, 5):
+        n, state = policy(timed(3.2 - 0.02 * t, t, state), target_load=0.8, lead_s=40)
+    assert state["planned_load"] == pytest.approx(2.0) and n == 4  # now's load, not less
+    state = {}
+    for t in range(0, 61, 5):  # up for 40 s, then down: the whole window still fits a rise
+        n, state = policy(timed(2.0 + 0.04 * min(t, 40) - 0.04 * max(0, t - 40), t, state),
+                          target_load=0.8, lead_s=40)
+    assert load_trend(state["load_history"]) > 0
+    assert state["planned_load"] == pytest.approx(2.8)  # now's: the trend has turned
+    # a policy without a clock (an older Ray) follows the load as it is
+    c = timed(3.2, 0, {})
+    del c.current_time
+    assert policy(c, target_load=0.8)[1]["planned_load"] == 3.2

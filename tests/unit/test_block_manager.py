@@ -111,9 +111,17 @@ def test_prefix_caching_disabled():
 
 def test_hit_rate_counts_lookups():
     bm = BlockManager(num_blocks=8, block_size=BS)
-    bm.record_lookup(10, 0)
-    bm.record_lookup(10, 8)
+    bm.record_lookup(seq(range(10)), 0)
+    bm.record_lookup(seq(range(10)), 8)
     assert bm.hit_rate == 0.4
+
+
+def test_lookups_feed_the_reused_working_set():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm.record_lookup(seq(range(10)), 0)  # 2 full blocks (BS 4), looked up once: no reuse yet
+    assert bm.working_set.measure(0.0) == 0
+    bm.record_lookup(seq(range(9)), 8)  # the same 2 blocks again
+    assert bm.working_set.measure(1.0) == 2
 
 
 def test_stored_events_are_runs_named_by_their_parent():

@@ -25,10 +25,17 @@ def test_diurnal_autoscales_and_reports_the_ideal(tmp_path):
     out = tmp_path / "day.json"
     main(["--replicas", "1", "--rate", "8", "--duration-s", "20", "--tenants", "2",
           "--num-blocks", "1500", "--workload", "diurnal", "--routers", "pagedserve",
-          "--output-tokens", "8", "--startup-s", "2", "--out", str(out)])
+          "--output-tokens", "8", "--startup-s", "2", "--ideal-rungs", "3", "--ideal-run-s", "10",
+          "--out", str(out)])
     data = json.loads(out.read_text())
-    assert data["ideal_replica_seconds"] > 0
-    assert data["routers"]["pagedserve"]["replica_seconds"] >= 20.0
+    ideal = data["ideal"]
+    assert len(ideal["rates"]) == 3 and ideal["rates"][0] < ideal["rates"][-1]
+    assert ideal["replicas"] == sorted(ideal["replicas"]) and ideal["replicas"][0] >= 1
+    assert data["ideal_replica_seconds"] == ideal["replica_seconds"] >= 20.0  # >= 1 a second
+    r = data["routers"]["pagedserve"]
+    assert r["replica_seconds"] >= 20.0
+    assert r["replica_seconds_over_ideal"] == r["replica_seconds"] / ideal["replica_seconds"]
+    assert r["longest_overload_s"] >= 0 and r["max_replicas_used"] >= 1
 
 
 def test_routers_run_side_by_side_give_the_figures_of_runs_one_after_another(tmp_path):

@@ -63,7 +63,9 @@ def test_lru_eviction_and_the_digest_carry_the_kv_event_stream():
     assert digest["num_waiting"] == 0 and digest["num_running"] == 0
     assert digest["last_generation_time"] == pytest.approx(done[-1].finish_s)
     assert any(e[1] == STORED for e in digest["kv_events"]["events"])
-    assert r.record_autoscaling_stats() == {"queue_depth": 0.0, "batch_occupancy": 0.0}
+    assert 0 < r.record_autoscaling_stats()["load"] < 0.05  # the steps of the last seconds
+    q.run(until=20.0)  # idle since: they have faded
+    assert r.record_autoscaling_stats() == {"queue_depth": 0.0, "load": 0.0, "kv_working_set": 0.0}
 
 
 def test_a_full_batch_queues_and_kv_pressure_counts_in_the_autoscaling_depth():
