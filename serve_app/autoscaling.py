@@ -35,6 +35,7 @@ from replicas.cache_digest import KV_WORKING_SET_METRIC, LOAD_METRIC, QUEUE_DEPT
 # replicas (or 4 more), down by at most 1 / STEP_DOWN of them.
 STEP_UP = 1.5
 STEP_DOWN = 2
+TURNED = 0.9  # a load this far below its last half-minute's peak has stopped rising
 POLICY_PATH = "serve_app.autoscaling:QueueDepthPolicy"
 
 DEFAULTS = dict(
@@ -157,11 +158,12 @@ def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
         history.append((now, load))
         state["load_history"] = history
         if now - history[0][0] >= trend_window_s / 2:  # a start-up's first points are no trend
-            # Rising over the window and over its latter half: a load that rose and has fallen
-            # back still fits a rising line over the whole window.
+            # Rising over the window and over its latter half, and not fallen from the latter
+            # half's peak: a load that rose and has dropped back still fits a rising line.
             recent = [(t, y) for t, y in history if t >= now - trend_window_s / 2]
-            slope = min(load_trend(history), load_trend(recent))
-            planned = max(load, load + slope * lead_s)
+            if load >= TURNED * max(y for _, y in recent):
+                slope = min(load_trend(history), load_trend(recent))
+                planned = max(load, load + slope * lead_s)
     num_replicas = desired_num_replicas(depth, ctx.current_num_replicas, target_queue_depth,
                                         downscale_ratio, planned, working_set, target_load,
                                         cache_coverage, cache_fill)

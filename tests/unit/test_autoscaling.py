@@ -178,6 +178,12 @@ def test_a_rising_load_is_planned_for_ahead_and_a_falling_one_is_not():
                           target_load=0.8, lead_s=40)
     assert load_trend(state["load_history"]) > 0
     assert state["planned_load"] == pytest.approx(2.8)  # now's: the trend has turned
+    state = {}
+    for t in range(0, 61, 5):  # up for 55 s, then a drop: the latter half still rises
+        n, state = policy(timed(2.0 + 0.04 * t if t < 60 else 2.0, t, state),
+                          target_load=0.8, lead_s=40)
+    assert load_trend(state["load_history"][-7:-1]) > 0
+    assert state["planned_load"] == pytest.approx(2.0)
     # a policy without a clock (an older Ray) follows the load as it is
     c = timed(3.2, 0, {})
     del c.current_time
