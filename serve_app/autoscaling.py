@@ -52,10 +52,8 @@ DEFAULTS = dict(
     # The share of the fleet's reused prefix working set its KV caches must be able to hold, or
     # it scales up. Not all of it: a cache a little short of it loses a few hits, which the load
     # then shows; far short of it, every request re-prefills its shared context: the cliff.
-    # 0 turns the working-set floors off, the default for now: behind Ray Serve one replica of
-    # the autoscaling test reported 2.95 replicas' worth where the engine alone reports 0 for
-    # the same prompts, not yet explained. The fleet simulator runs them at 0.8.
-    cache_coverage=0.0,
+    # 0 turns the working-set floors off.
+    cache_coverage=0.8,
     # The share of the remaining replicas' KV cache the working set may fill for a scale-down:
     # the rest is for the running sequences' own blocks, which grow with the load the removed
     # replica hands over.

@@ -22,7 +22,7 @@ class AutoscalerSettings:
     downscale_ratio: float = DEFAULTS["downscale_ratio"]
     target_load: float = DEFAULTS["target_load"]
     lead_s: float = DEFAULTS["lead_s"]
-    cache_coverage: float = 0.8  # the working-set floors on (off by default in serving)
+    cache_coverage: float = DEFAULTS["cache_coverage"]
     cache_fill: float = DEFAULTS["cache_fill"]
     upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
     downscale_delay_s: float = DEFAULTS["downscale_delay_s"]

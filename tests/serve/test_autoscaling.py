@@ -3,6 +3,7 @@ configured delay, idle scales back to 1, and no request fails while a replica dr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import httpx
@@ -16,6 +17,7 @@ DOWNSCALE_DELAY_S = 4.0
 LOOK_BACK_S = 5.0  # serve_app.autoscaling.DEFAULTS["look_back_period_s"]
 DECISION_SLACK_S = 10.0  # metric pushes (1 s), the controller loop, a busy machine
 START_LIMIT_S = 90.0  # a new replica process imports torch and loads the model on 2 busy cores
+_CALLS = itertools.count()  # load_until's calls, to keep every prompt unique
 
 
 def replica_states() -> dict[str, int]:
@@ -41,6 +43,7 @@ async def load_until(base_url: str, concurrency: int, done, results: list, limit
     loop every 0.25 s) or limit_s passes; returns the seconds it took."""
     began = time.monotonic()
     stop = asyncio.Event()
+    call = next(_CALLS)
 
     async def watch():
         while time.monotonic() - began < limit_s and not await asyncio.to_thread(done):
@@ -51,7 +54,10 @@ async def load_until(base_url: str, concurrency: int, done, results: list, limit
         async def worker(i: int):
             n = 0
             while not stop.is_set():
-                body = {"model": "tiny", "prompt": f"client {i} request {n} the quick brown fox",
+                # Unique from the first token, across calls too: a prompt sent again is prefix
+                # reuse, whose working set holds replicas up for a minute by design (tested in
+                # tests/unit/test_autoscaling.py); this test is about queue and load.
+                body = {"model": "tiny", "prompt": f"{call}.{i}.{n} the quick brown fox",
                         "max_tokens": 64, "ignore_eos": True, "temperature": 0}
                 try:
                     response = await client.post("/v1/completions", json=body)

@@ -139,13 +139,13 @@ def test_load_scales_up_before_a_queue_forms():
 def test_the_working_set_holds_the_fleet_up():
     # tenants' contexts worth 2.5 replicas of KV cache: 3 replicas would be 83 % full of it,
     # past the 2/3 a scale-down may leave; 4 stay
-    on = dict(cache_coverage=0.8)
+    on = dict(cache_coverage=0.8)  # the default
     assert desired_num_replicas(0, 4, 4, total_working_set=2.5, **on) == 4
     assert desired_num_replicas(0, 4, 4, total_working_set=2.0, **on) == 3  # 2.0 fills 3 to 2/3
     # a fleet whose caches hold less than 80 % of it thrashes (no queue yet): it grows
     assert desired_num_replicas(0, 1, 4, total_working_set=2.5, **on) == 2
     assert desired_num_replicas(0, 2, 4, total_working_set=2.5, **on) == 2
-    # off (the serving default for now): no floor
+    # off: no floor
     assert desired_num_replicas(0, 4, 4, total_working_set=2.5, cache_coverage=0) == 2
     assert desired_num_replicas(0, 2, 4, total_working_set=2.5, cache_coverage=1.0) == 3
 
