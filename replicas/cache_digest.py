@@ -85,6 +85,14 @@ class RoutingReporter:
         }
 
 
+def autoscaling_inputs(block_manager, step_load, now: float) -> dict[str, float]:
+    """The engine's stats `autoscaling_stats` reads beside the queue: its prefix working set in
+    replicas' worth of KV cache (`replicas.working_set`), and its compute beyond a step's fixed
+    part (`replicas.step_load`), both as of `now`."""
+    return {"kv_working_set": block_manager.working_set.measure(now) / block_manager.num_blocks,
+            "compute_utilization": step_load.utilization(now)}
+
+
 def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START) -> dict[str, float]:
     """For `record_autoscaling_stats()`: Ray Serve window-averages each key per replica.
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from replicas.block_manager import BlockManager, kv_window_of
+from replicas.cache_digest import autoscaling_inputs
 from replicas.config import EngineConfig
 from replicas.default_model import DEFAULT_MODEL_NAME, resolve_model
 from replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
@@ -227,7 +228,6 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.block_manager
-        now = time.monotonic()
         return {
             "num_waiting": self.scheduler.num_waiting + len(self.pending_grammars),
             "num_running": self.scheduler.num_running,
@@ -244,9 +244,7 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "kv_slot_waste": bm.kv_slot_waste,
-            # In replicas' worth of KV cache: the cache this replica's prefix reuse needs.
-            "kv_working_set": bm.working_set.measure(now) / bm.num_blocks,
-            "compute_utilization": self.step_load.utilization(now),
+            **autoscaling_inputs(bm, self.step_load, time.monotonic()),
             **self.runner.platform,  # dtype, kv_cache_dtype, cpu: model, level, flags, kernels
         }
 

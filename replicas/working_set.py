@@ -35,7 +35,7 @@ class WorkingSet:
 
     def touch(self, block_hashes: Iterable[int]) -> None:
         """One prompt's full blocks, as the scheduler looked them up."""
-        hashes = block_hashes if isinstance(block_hashes, (set, frozenset)) else set(block_hashes)
+        hashes = set(block_hashes)
         again = (hashes & self.seen) | (hashes & self.seen_before)
         if again:
             again -= self.reused

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from bench.fleet.clock import EventQueue
 from bench.fleet.cost_model import CostModel
 from replicas.block_manager import BlockManager
-from replicas.cache_digest import RoutingReporter, autoscaling_stats
+from replicas.cache_digest import RoutingReporter, autoscaling_inputs, autoscaling_stats
 from replicas.scheduler import Scheduler
 from replicas.sequence import SequenceStatus
 from replicas.step_load import StepLoad
@@ -131,12 +131,10 @@ class SimReplica:
     # -- what the engine's AsyncEngine offers its deployment ----------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
-        now = self.queue.now
         return {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
                 "max_num_seqs": self.settings.max_num_seqs,
                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.hit_rate,
-                "kv_working_set": bm.working_set.measure(now) / bm.num_blocks,
-                "compute_utilization": self.step_load.utilization(now),
+                **autoscaling_inputs(bm, self.step_load, self.queue.now),
                 "last_generation_time": self.last_generation_time}
 
     def record_routing_stats(self) -> dict:
