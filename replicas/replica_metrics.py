@@ -9,6 +9,11 @@ REPLICA_GAUGES = {
     "pagedserve_kv_cache_usage": ("kv_cache_usage", "Fraction of KV-cache blocks in use"),
     "pagedserve_prefix_cache_hit_rate": ("prefix_cache_hit_rate",
                                          "Prompt tokens served from the prefix cache / queried"),
+    # What the autoscaling policy reads (replicas.step_load, replicas.working_set)
+    "pagedserve_compute_utilization": ("compute_utilization",
+                                       "Share of the last seconds spent on per-token work"),
+    "pagedserve_kv_working_set": ("kv_working_set",
+                                  "Prompt blocks reused within a minute, in replicas' KV caches"),
 }
 REPLICA_COUNTERS = {
     "pagedserve_num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later)"),

@@ -5,15 +5,18 @@ Runs the same workload (same seed) through each router on a fresh simulated flee
 table and the ratios against pagedserve's router, and writes FILE.json and FILE.png. `--quick`
 is a small run for a laptop-sized check; the defaults are small too. The diurnal workload turns on
 the autoscaler (from --min-replicas, starting at --replicas) and reports replica-seconds against
-the ideal: each second, the fewest replicas that hold its rate at the target queue depth, measured
-in the same simulator at a ladder of constant rates (`bench/fleet/ideal.py`); and the longest
-stretch the queue stayed above 3x the target.
+the ideal: each second, the fewest replicas that hold its rate at the target queue depth, from
+each fleet size's capacity measured in the same simulator at constant rates
+(`bench/fleet/ideal.py`); and the longest stretch the queue stayed above 3x the target.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, cpu_info
@@ -54,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-replicas", type=int, default=None)
     p.add_argument("--startup-s", type=float, default=AutoscalerSettings.startup_s)
-    p.add_argument("--ideal-rungs", type=int, default=10,
-                   help="diurnal: constant rates the ideal replica counts are measured at")
+    p.add_argument("--ideal-precision", type=float, default=None,
+                   help="diurnal: req/s to which each fleet size's capacity is measured for the "
+                        "ideal (default: 2%% of --rate)")
     p.add_argument("--ideal-run-s", type=float, default=120.0,
                    help="diurnal: simulated seconds of each ideal measurement (half warm-up)")
     p.add_argument("--jobs", type=int, default=None,
@@ -74,16 +78,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure_ideal(args, router: str = "pagedserve") -> dict:
-    """A diurnal run's ideal replica counts (`bench.fleet.ideal`), under pagedserve's router."""
+    """A diurnal run's ideal (`bench.fleet.ideal`), under pagedserve's router: each fleet size's
+    capacity, and the replica-seconds they need for the day, both bounds."""
     model, _, settings = build(args)
     workload = make_workload(args)
-    rates = ideal.ladder(workload, args.ideal_rungs)
-    needed = ideal.replicas_needed(router, workload, model, settings, rates, args.ideal_run_s,
-                                   settings.autoscaler.target_queue_depth, args.seed,
-                                   settings.autoscaler.max_replicas)
-    return {"rates": rates, "replicas": needed,
-            "replica_seconds": ideal.ideal_replica_seconds(workload, rates, needed,
-                                                           args.min_replicas)}
+    trial = ideal.Trial(router, workload.name,
+                        replace(workload.settings, duration_s=args.ideal_run_s), model, settings,
+                        settings.autoscaler.target_queue_depth, args.seed)
+    jobs = args.jobs or os.cpu_count() or 1
+    with ideal.measured_by(trial, jobs) as measure:
+        found = ideal.capacities(measure, args.rate, args.ideal_precision or 0.02 * args.rate,
+                                 settings.autoscaler.max_replicas, width=jobs)
+    # JSON has no infinity: a capacity not bounded above (it held the peak) fails at None
+    return {"capacities": [asdict(c) | {"fails": None if math.isinf(c.fails) else c.fails}
+                           for c in found],
+            "replica_seconds": ideal.ideal_replica_seconds(workload, found, args.min_replicas),
+            "replica_seconds_upper": ideal.ideal_replica_seconds(workload, found, args.min_replicas,
+                                                                 optimistic=False),
+            "foresight_replica_seconds": ideal.foresight_replica_seconds(
+                workload, found, args.min_replicas,
+                settings.autoscaler.upscale_delay_s + settings.autoscaler.startup_s,
+                settings.autoscaler.downscale_delay_s)}
 
 
 def main(argv=None) -> dict:
@@ -108,16 +123,25 @@ def main(argv=None) -> dict:
         result["ideal_replica_seconds"] = result["ideal"]["replica_seconds"]
         for r in routers.values():
             r["replica_seconds_over_ideal"] = r["replica_seconds"] / result["ideal_replica_seconds"]
-        print(f"  ideal replicas at {', '.join(f'{x:.0f}' for x in result['ideal']['rates'])} "
-              f"req/s: {result['ideal']['replicas']} ({time.perf_counter() - began_ideal:.0f} s)")
+            r["replica_seconds_over_ideal_upper"] = (r["replica_seconds"]
+                                                     / result["ideal"]["replica_seconds_upper"])
+        cells = ", ".join(f"{c['replicas']}: {c['holds']:.1f}-{c['fails'] or math.inf:.1f}"
+                          for c in result["ideal"]["capacities"])
+        print(f"  capacity in req/s (held-failed) by replicas: {cells} "
+              f"({time.perf_counter() - began_ideal:.0f} s)")
     for name, per_stage in result["ratios"].items():
         cells = "  ".join(f"{s['rate']:.0f}/s: TTFT x{s['ttft_p90_theirs_over_ours']:.2f}"
                           for s in per_stage)
         print(f"  pagedserve vs {name:>10} (their p90 / ours)  {cells}")
     if "ideal_replica_seconds" in result:
-        print(f"  ideal replica-seconds {result['ideal_replica_seconds']:.0f}")
+        foresight = result["ideal"]["foresight_replica_seconds"]
+        print(f"  ideal replica-seconds {result['ideal_replica_seconds']:.0f} (at most "
+              f"{result['ideal']['replica_seconds_upper']:.0f}); knowing the future under the "
+              f"scaling delays and start-up: {foresight:.0f} "
+              f"({foresight / result['ideal_replica_seconds']:.2f}x)")
         for name, r in routers.items():
-            print(f"  {name:>10}: {r['replica_seconds_over_ideal']:.2f}x the ideal, queue above 3x "
+            print(f"  {name:>10}: {r['replica_seconds_over_ideal']:.2f}x the ideal "
+                  f"({r['replica_seconds_over_ideal_upper']:.2f}x its upper bound), queue above 3x "
                   f"target for at most {r['longest_overload_s']:.0f} s (upscale delay "
                   f"{r['upscale_delay_s']:.0f} s), at most {r['max_replicas_used']} replicas")
     args.out.parent.mkdir(parents=True, exist_ok=True)

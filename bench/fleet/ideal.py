@@ -6,15 +6,22 @@ that, held fixed under that load, keep the queue at or under the target in stead
 formula from the cost model (work per request / work per replica-second) misses what decides it
 here: a fleet must also hold its tenants' shared contexts in its KV caches, and batches are
 bounded by KV blocks before they are by compute, so a replica's capacity depends on the fleet's
-size. So it is measured: for each of a ladder of constant rates (the workload's prompts, the
-router under test, no autoscaler), the fewest replicas whose queue stays at or under the target
-over the second half of a run. The ideal replica-seconds of a run are those counts under its
-rate curve, each second taking the ladder's rung at or below its rate (a lower bound).
+size. So it is measured: for n = 1, 2, ... replicas, the highest constant rate of the workload's
+prompts (the router under test, no autoscaler) under which the queue stays at or under the
+target over the second half of a run: the fleet's capacity, bracketed between a rate it held
+and one it did not, `precision` apart. Each second of a run then needs the fewest replicas
+whose capacity reaches its rate. Inside a bracket that is unknown, so the ideal comes as two
+bounds: `replica_seconds` (capacities at their brackets' tops, the fewest replicas possible;
+ratios are taken against it) and `replica_seconds_upper` (at their bottoms).
 """
 from __future__ import annotations
 
-import bisect
-from dataclasses import replace
+import math
+import multiprocessing
+from collections.abc import Callable
+from contextlib import contextmanager
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 
 from bench.fleet.cost_model import CostModel
 from bench.fleet.fleet import Fleet, FleetSettings
@@ -22,6 +29,7 @@ from bench.fleet.report import queue_per_replica
 from bench.fleet.workloads import Workload
 
 WARMUP_FRACTION = 0.5  # the first half of each run fills the caches; the second is measured
+FIRST_STEP = 0.1  # of the peak rate: the first guess at one replica's capacity
 
 
 class ConstantRate(Workload):
@@ -46,43 +54,102 @@ def mean_queue_per_replica(fleet: Fleet, since_s: float) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def holds(router: str, workload: Workload, model: CostModel, settings: FleetSettings,
-          num_replicas: int, target_queue_depth: float, seed: int) -> bool:
-    fleet = Fleet(router, workload, model, replace(settings, num_replicas=num_replicas,
-                                                   autoscaler=None), seed).run()
-    warmup = WARMUP_FRACTION * workload.settings.duration_s
-    return mean_queue_per_replica(fleet, warmup) <= target_queue_depth
+@dataclass(frozen=True)
+class Trial:
+    """One measurement: does a fleet of num_replicas hold `rate`? Picklable: it runs in a worker
+    process when the search measures several rates at once."""
+    router: str
+    workload: str
+    workload_settings: object  # WorkloadSettings, duration_s the run's
+    model: CostModel
+    settings: FleetSettings
+    target_queue_depth: float
+    seed: int
+
+    def holds(self, num_replicas: int, rate: float) -> bool:
+        workload = ConstantRate(self.workload, self.workload_settings, self.seed, rate)
+        fleet = Fleet(self.router, workload, self.model,
+                      replace(self.settings, num_replicas=num_replicas, autoscaler=None),
+                      self.seed).run()
+        warmup = WARMUP_FRACTION * self.workload_settings.duration_s
+        return mean_queue_per_replica(fleet, warmup) <= self.target_queue_depth
 
 
-def replicas_needed(router: str, workload: Workload, model: CostModel, settings: FleetSettings,
-                    rates: list[float], run_s: float, target_queue_depth: float, seed: int,
-                    max_replicas: int) -> list[int]:
-    """The fewest replicas holding each rate (ascending rates; max_replicas + 1 if none do).
-    The count only grows with the rate, so each rate's search starts at the last one's."""
-    def constant(rate: float) -> ConstantRate:  # a fresh one per run: the same requests
-        return ConstantRate(workload.name, replace(workload.settings, duration_s=run_s), seed, rate)
-
-    needed, n = [], 1
-    for rate in rates:
-        while n <= max_replicas and not holds(router, constant(rate), model, settings, n,
-                                              target_queue_depth, seed):
-            n += 1
-        needed.append(n)
-    return needed
+@contextmanager
+def measured_by(trial: Trial, jobs: int):
+    """`measure(n, rates)` for `capacities`: `trial` at each rate, in `jobs` worker processes
+    (spawned: nothing inherited but the trial) when more than one."""
+    if jobs <= 1:
+        yield lambda n, rates: [trial.holds(n, rate) for rate in rates]
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield lambda n, rates: list(pool.map(trial.holds, [n] * len(rates), rates))
 
 
-def ladder(workload: Workload, num_rungs: int) -> list[float]:
-    """num_rungs rates evenly from the run's lowest to its highest."""
-    rates = [workload.rate_at(t + 0.5) for t in range(int(workload.settings.duration_s))]
-    low, high = min(rates), max(rates)
-    return [low + (high - low) * i / max(1, num_rungs - 1) for i in range(num_rungs)]
+@dataclass
+class Capacity:
+    """n replicas held `holds` req/s and did not hold `fails` (inf: not measured, as n held the
+    peak)."""
+    replicas: int
+    holds: float
+    fails: float = math.inf
 
 
-def ideal_replica_seconds(workload: Workload, rates: list[float], needed: list[int],
-                          min_replicas: int) -> float:
-    """Each second of the run: the replicas the highest ladder rate at or below its rate needs."""
-    total = 0.0
-    for t in range(int(workload.settings.duration_s)):
-        k = bisect.bisect_right(rates, workload.rate_at(t + 0.5)) - 1
-        total += max(min_replicas, needed[k] if k >= 0 else 1)
-    return total
+def capacities(measure: Callable[[int, list[float]], list[bool]], peak_rate: float,
+               precision: float, max_replicas: int, width: int = 1) -> list[Capacity]:
+    """Each fleet size's capacity, from 1 replica up to the first that holds peak_rate (or
+    max_replicas). measure(n, rates) says whether n replicas hold each rate; it gets `width`
+    rates at a time (as many as it measures at once), which split the bracket into width + 1
+    parts. A fleet holds at least what a smaller one held, so each search starts from the last
+    capacity and steps up by the last gain, doubling while every rate holds."""
+    found: list[Capacity] = []
+    gain = FIRST_STEP * peak_rate
+    for n in range(1, max_replicas + 1):
+        lo = found[-1].holds if found else 0.0
+        hi = math.inf
+        step = gain
+        while hi - lo > precision and lo < peak_rate:
+            if hi == math.inf:  # up to lo + step, the last point on it
+                top = min(lo + step, peak_rate)
+                points = [lo + (top - lo) * (i + 1) / width for i in range(width)]
+                step *= 2
+            else:
+                points = [lo + (hi - lo) * (i + 1) / (width + 1) for i in range(width)]
+            held = measure(n, points)
+            # The new bracket: the lowest rate that failed, the highest below it that held.
+            hi = min([hi] + [r for r, ok in zip(points, held) if not ok])
+            lo = max([lo] + [r for r, ok in zip(points, held) if ok and r < hi])
+        found.append(Capacity(n, lo, hi if lo < peak_rate else math.inf))
+        if lo >= peak_rate:
+            break
+        gain = max(precision, lo - (found[-2].holds if len(found) > 1 else 0.0))
+    return found
+
+
+def replicas_for(rate: float, found: list[Capacity], optimistic: bool) -> int:
+    """The fewest replicas whose capacity reaches rate: at its bracket's top when optimistic,
+    its bottom otherwise; one more than the largest measured when none does."""
+    for c in found:
+        if (rate < c.fails if optimistic else rate <= c.holds):
+            return c.replicas
+    return found[-1].replicas + 1 if found else 1
+
+
+def ideal_replica_seconds(workload: Workload, found: list[Capacity], min_replicas: int,
+                          optimistic: bool = True) -> float:
+    """The replicas each second of the run needs, summed (see replicas_for)."""
+    return float(sum(max(min_replicas, replicas_for(workload.rate_at(t + 0.5), found, optimistic))
+                     for t in range(int(workload.settings.duration_s))))
+
+
+def foresight_replica_seconds(workload: Workload, found: list[Capacity], min_replicas: int,
+                              lead_s: float, hold_s: float) -> float:
+    """What a policy that knew the future would use under Ray's delays: a replica serves lead_s
+    after it is asked for (upscale delay + start-up), and stays hold_s (the downscale delay)
+    after it was last needed; so each second takes the most any second from hold_s before to
+    lead_s after it needs. The ideal's low end, on the same capacities."""
+    duration = int(workload.settings.duration_s)
+    need = [max(min_replicas, replicas_for(workload.rate_at(t + 0.5), found, True))
+            for t in range(duration)]
+    lead, hold = math.ceil(lead_s), math.ceil(hold_s)
+    return float(sum(max(need[max(0, t - hold):t + lead + 1]) for t in range(duration)))

@@ -116,7 +116,9 @@ def test_metrics_endpoint_exports_our_metrics(http):
     def exported():
         text = http.get("/metrics").text
         return all(name in text for name in ("ray_pagedserve_requests", "ray_pagedserve_kv_cache_usage",
-                                             "ray_pagedserve_time_to_first_token_seconds")) and text
+                                             "ray_pagedserve_time_to_first_token_seconds",
+                                             "ray_pagedserve_compute_utilization",
+                                             "ray_pagedserve_kv_working_set")) and text
 
     text = wait_for(exported, 20, 0.5, "our metrics on /metrics")
     assert all(line.startswith(("# ", "ray_pagedserve_")) for line in text.strip().splitlines())

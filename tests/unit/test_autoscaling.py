@@ -85,10 +85,10 @@ def test_a_fleet_with_full_replicas_and_empty_queues_does_not_scale_down():
     assert n == 5 and state["load"] == 4.0  # full is past the 0.8 target: one more
     # without the load the same queues ask for fewer: the oscillation
     assert policy(ctx({r: 0.0 for r in "abcd"}), target_queue_depth=4)[0] == 2
-    # half-full replicas keep their count: 3 would run at 0.67, past the 0.8 x 0.8 headroom
-    n, _ = policy(loaded({r: 0.0 for r in "abcd"}, {r: 0.5 for r in "abcd"}), target_queue_depth=4)
+    # replicas at 0.6 keep their count: 3 would run at 0.8, past the 0.8 x 0.9 headroom
+    n, _ = policy(loaded({r: 0.0 for r in "abcd"}, {r: 0.6 for r in "abcd"}), target_queue_depth=4)
     assert n == 4
-    # at 0.4 they pack onto 3 (1.6 / 0.64 -> 2.5 -> 3)
+    # at 0.4 they pack onto 3 (1.6 / 0.72 -> 2.2 -> 3)
     n, _ = policy(loaded({r: 0.0 for r in "abcd"}, {r: 0.4 for r in "abcd"}),
                   target_queue_depth=4)
     assert n == 3
@@ -170,11 +170,12 @@ def test_a_rising_load_is_planned_for_ahead_and_a_falling_one_is_not():
         num.append(n)
     # now 3.2 / 0.8 = 4 replicas; in 40 s 4.0 / 0.8 = 5
     assert state["planned_load"] == pytest.approx(4.0) and num[-1] == 5
-    assert num[0] == 4  # the first points are no trend: 2.0 keeps 4 (2.0 / 0.64 -> 4)
+    assert num[0] == 3  # the first points are no trend: 2.0 packs onto 3 (2.0 / 0.72 -> 3)
     state = {}
     for t in range(0, 61, 5):
         n, state = policy(timed(3.2 - 0.02 * t, t, state), target_load=0.8, lead_s=40)
-    assert state["planned_load"] == pytest.approx(2.0) and n == 4  # now's load, not less
+    # now's load, not less: 2.0 / 0.72 -> 3 (the trend's 1.2 would pack onto 2)
+    assert state["planned_load"] == pytest.approx(2.0) and n == 3
     state = {}
     for t in range(0, 61, 5):  # up for 40 s, then down: the whole window still fits a rise
         n, state = policy(timed(2.0 + 0.04 * min(t, 40) - 0.04 * max(0, t - 40), t, state),

@@ -25,13 +25,17 @@ def test_diurnal_autoscales_and_reports_the_ideal(tmp_path):
     out = tmp_path / "day.json"
     main(["--replicas", "1", "--rate", "8", "--duration-s", "20", "--tenants", "2",
           "--num-blocks", "1500", "--workload", "diurnal", "--routers", "pagedserve",
-          "--output-tokens", "8", "--startup-s", "2", "--ideal-rungs", "3", "--ideal-run-s", "10",
+          "--output-tokens", "8", "--startup-s", "2", "--ideal-precision", "2", "--ideal-run-s", "10",
           "--out", str(out)])
     data = json.loads(out.read_text())
     ideal = data["ideal"]
-    assert len(ideal["rates"]) == 3 and ideal["rates"][0] < ideal["rates"][-1]
-    assert ideal["replicas"] == sorted(ideal["replicas"]) and ideal["replicas"][0] >= 1
+    found = ideal["capacities"]
+    assert [c["replicas"] for c in found] == list(range(1, len(found) + 1))
+    for c in found[:-1]:  # bracketed to the precision asked for
+        assert c["holds"] < c["fails"] <= c["holds"] + 2
+    assert found[-1]["holds"] >= 8 or len(found) == 4  # held the peak, or hit --max-replicas
     assert data["ideal_replica_seconds"] == ideal["replica_seconds"] >= 20.0  # >= 1 a second
+    assert ideal["replica_seconds_upper"] >= ideal["replica_seconds"]
     r = data["routers"]["pagedserve"]
     assert r["replica_seconds"] >= 20.0
     assert r["replica_seconds_over_ideal"] == r["replica_seconds"] / ideal["replica_seconds"]
