@@ -93,6 +93,7 @@ def measure_ideal(args, router: str = "pagedserve") -> dict:
     return {"capacities": [asdict(c) | {"fails": None if math.isinf(c.fails) else c.fails}
                            for c in found],
             "replica_seconds": ideal.ideal_replica_seconds(workload, found, args.min_replicas),
+            "replicas_each_second": ideal.ideal_replicas(workload, found, args.min_replicas),
             "replica_seconds_upper": ideal.ideal_replica_seconds(workload, found, args.min_replicas,
                                                                  optimistic=False),
             "foresight_replica_seconds": ideal.foresight_replica_seconds(
@@ -147,7 +148,8 @@ def main(argv=None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     png = plot(routers, args.out.with_suffix(".png"),
-               f"{args.workload}: {args.replicas} replicas, up to {args.rate:g} req/s")
+               f"{args.workload}: {args.replicas} replicas, up to {args.rate:g} req/s",
+               ideal=result.get("ideal", {}).get("replicas_each_second"))
     print(f"wrote {args.out} and {png} in {result['wall_s']:.1f} s")
     return result
 

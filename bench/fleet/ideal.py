@@ -135,11 +135,16 @@ def replicas_for(rate: float, found: list[Capacity], optimistic: bool) -> int:
     return found[-1].replicas + 1 if found else 1
 
 
+def ideal_replicas(workload: Workload, found: list[Capacity], min_replicas: int,
+                   optimistic: bool = True) -> list[int]:
+    """The replicas each second of the run needs (see replicas_for)."""
+    return [max(min_replicas, replicas_for(workload.rate_at(t + 0.5), found, optimistic))
+            for t in range(int(workload.settings.duration_s))]
+
+
 def ideal_replica_seconds(workload: Workload, found: list[Capacity], min_replicas: int,
                           optimistic: bool = True) -> float:
-    """The replicas each second of the run needs, summed (see replicas_for)."""
-    return float(sum(max(min_replicas, replicas_for(workload.rate_at(t + 0.5), found, optimistic))
-                     for t in range(int(workload.settings.duration_s))))
+    return float(sum(ideal_replicas(workload, found, min_replicas, optimistic)))
 
 
 def foresight_replica_seconds(workload: Workload, found: list[Capacity], min_replicas: int,
@@ -148,8 +153,7 @@ def foresight_replica_seconds(workload: Workload, found: list[Capacity], min_rep
     after it is asked for (upscale delay + start-up), and stays hold_s (the downscale delay)
     after it was last needed; so each second takes the most any second from hold_s before to
     lead_s after it needs. The ideal's low end, on the same capacities."""
-    duration = int(workload.settings.duration_s)
-    need = [max(min_replicas, replicas_for(workload.rate_at(t + 0.5), found, True))
-            for t in range(duration)]
+    need = ideal_replicas(workload, found, min_replicas)
+    duration = len(need)
     lead, hold = math.ceil(lead_s), math.ceil(hold_s)
     return float(sum(max(need[max(0, t - hold):t + lead + 1]) for t in range(duration)))

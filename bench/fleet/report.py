@@ -104,7 +104,10 @@ def _div(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
 
 
-def plot(routers: dict[str, dict], path: Path, title: str) -> Path:
+def plot(routers: dict[str, dict], path: Path, title: str,
+         ideal: list[int] | None = None) -> Path:
+    """ideal: the replicas each second needs (an autoscaled run's yardstick), drawn beside the
+    replicas each router's run used."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,6 +119,9 @@ def plot(routers: dict[str, dict], path: Path, title: str) -> Path:
         axes[0][1].plot(rates, [s["hit_rate"] for s in r["stages"]], marker="o", label=name)
         axes[1][0].plot(r["series"]["t"], r["series"]["replicas"], label=name)
         axes[1][1].plot(r["series"]["t"], r["series"]["handle_queue"], label=name)
+    if ideal:
+        axes[1][0].step(range(len(ideal)), ideal, where="post", color="black", linestyle="--",
+                        linewidth=1, label="ideal")
     axes[0][0].set(xlabel="offered load (req/s)", ylabel="TTFT p90 (s)", yscale="log")
     axes[0][1].set(xlabel="offered load (req/s)", ylabel="prefix-cache hit rate", ylim=(0, 1))
     axes[1][0].set(xlabel="simulated time (s)", ylabel="replicas")

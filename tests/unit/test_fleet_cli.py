@@ -36,6 +36,9 @@ def test_diurnal_autoscales_and_reports_the_ideal(tmp_path):
     assert found[-1]["holds"] >= 8 or len(found) == 4  # held the peak, or hit --max-replicas
     assert data["ideal_replica_seconds"] == ideal["replica_seconds"] >= 20.0  # >= 1 a second
     assert ideal["replica_seconds_upper"] >= ideal["replica_seconds"]
+    assert len(ideal["replicas_each_second"]) == 20
+    assert sum(ideal["replicas_each_second"]) == ideal["replica_seconds"]
+    assert ideal["foresight_replica_seconds"] >= ideal["replica_seconds"]
     r = data["routers"]["pagedserve"]
     assert r["replica_seconds"] >= 20.0
     assert r["replica_seconds_over_ideal"] == r["replica_seconds"] / ideal["replica_seconds"]
