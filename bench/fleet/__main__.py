@@ -89,11 +89,12 @@ def measure_ideal(args, router: str = "pagedserve") -> dict:
     with ideal.measured_by(trial, jobs) as measure:
         found = ideal.capacities(measure, args.rate, args.ideal_precision or 0.02 * args.rate,
                                  settings.autoscaler.max_replicas, width=jobs)
+    each_second = ideal.ideal_replicas(workload, found, args.min_replicas)
     # JSON has no infinity: a capacity not bounded above (it held the peak) fails at None
     return {"capacities": [asdict(c) | {"fails": None if math.isinf(c.fails) else c.fails}
                            for c in found],
-            "replica_seconds": ideal.ideal_replica_seconds(workload, found, args.min_replicas),
-            "replicas_each_second": ideal.ideal_replicas(workload, found, args.min_replicas),
+            "replica_seconds": float(sum(each_second)),
+            "replicas_each_second": each_second,
             "replica_seconds_upper": ideal.ideal_replica_seconds(workload, found, args.min_replicas,
                                                                  optimistic=False),
             "foresight_replica_seconds": ideal.foresight_replica_seconds(

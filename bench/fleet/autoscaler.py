@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from serve_app.autoscaling import DEFAULTS, QueueDepthPolicy
+from serve_app.autoscaling import DEFAULTS, QueueDepthPolicy, QueueDepthPolicySettings
 
 
 @dataclass
@@ -22,6 +22,7 @@ class AutoscalerSettings:
     downscale_ratio: float = DEFAULTS["downscale_ratio"]
     target_load: float = DEFAULTS["target_load"]
     lead_s: float = DEFAULTS["lead_s"]
+    trend_window_s: float = DEFAULTS["trend_window_s"]
     cache_coverage: float = DEFAULTS["cache_coverage"]
     cache_fill: float = DEFAULTS["cache_fill"]
     upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
@@ -42,11 +43,9 @@ class Autoscaler:
     wanted_direction: int = 0
 
     def __post_init__(self):
-        s = self.settings
-        self.policy = QueueDepthPolicy(target_queue_depth=s.target_queue_depth,
-                                       downscale_ratio=s.downscale_ratio,
-                                       target_load=s.target_load, lead_s=s.lead_s,
-                                       cache_coverage=s.cache_coverage, cache_fill=s.cache_fill)
+        # The policy's own settings, by the names it declares
+        self.policy = QueueDepthPolicy(**{name: getattr(self.settings, name)
+                                          for name in QueueDepthPolicySettings.model_fields})
 
     def push(self, replica_id: str, stats: dict[str, float], now: float) -> None:
         """A replica's `record_autoscaling_stats()`, as it reaches the controller."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from bench.fleet.cost_model import CostModel
 from bench.fleet.fleet import Fleet, FleetSettings
 from bench.fleet.report import queue_per_replica
-from bench.fleet.workloads import Workload
+from bench.fleet.workloads import Workload, WorkloadSettings
 
 WARMUP_FRACTION = 0.5  # the first half of each run fills the caches; the second is measured
 FIRST_STEP = 0.1  # of the peak rate: the first guess at one replica's capacity
@@ -60,7 +60,7 @@ class Trial:
     process when the search measures several rates at once."""
     router: str
     workload: str
-    workload_settings: object  # WorkloadSettings, duration_s the run's
+    workload_settings: WorkloadSettings  # duration_s: the run's
     model: CostModel
     settings: FleetSettings
     target_queue_depth: float
