@@ -5,7 +5,10 @@ each is driven by the same `vllm bench serve` run (from the vLLM environment, be
 random prompts, `ignore_eos`, streamed chat completions, at each point of a sweep of request rates
 (incl. inf) and of client concurrency (at rate inf). Prints request and output-token throughput,
 TTFT / TPOT / ITL p50 and p99, and pagedserve / vLLM ratios; writes bench/results/serving.json and
-serving.png.
+serving.png. Each point also gets its model FLOP/s (bench.peers.offline.model_flops over the
+prompt and output lengths the load generator counted) and MFU against the best large torch.mm at
+the same threads and dtype, measured at the start: where a server already runs near that peak,
+no serving-path change can raise its throughput.
 
     python -m bench.serving [--model DIR|tiny] [--threads 1] [--replicas 1] [--engine-threads N] [--num-prompts 32] [--input-len 128] [--output-len 64]
                             [--request-rates 1,4,inf] [--concurrency 1,8,32] [--systems pagedserve,vllm]
@@ -24,15 +27,32 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from bench import cpu_level
 from bench.common import RESULTS_DIR, free_port, write_result
+from bench.peers.offline import gemm_peak_in_child, model_flops_of_lengths
 from bench.peers.vllm_env import vllm_environ, vllm_python
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_SERVE = Path(__file__).resolve().parent / "peers" / "vllm_bench_serve.py"
 METRICS = ("ttft", "tpot", "itl")
 PERCENTILES = ("50", "99")
+
+
+class FlopBasis(NamedTuple):
+    """What a point's model FLOP/s and MFU are computed from."""
+    hf_config: dict
+    peak_gflops_per_s: float  # the best large torch.mm at the servers' threads and dtype
+
+
+def flop_basis(args, model_dir: str) -> FlopBasis | None:
+    """The model's config and the GEMM peak, measured now; None for a model without a
+    config.json (a GGUF file)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return None
+    return FlopBasis(json.loads(config.read_text()), gemm_peak_in_child(args.threads, args.dtype))
 
 
 class Server:
@@ -132,7 +152,7 @@ def bench_serve(args, server: Server, model_id: str, model_dir: str, rate: str, 
            "--num-prompts", str(num_prompts), "--request-rate", rate, "--ignore-eos",
            "--seed", str(args.seed), "--num-warmups", str(args.num_warmups), "--disable-tqdm",
            "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(PERCENTILES),
-           "--save-result", "--result-dir", str(workdir), "--result-filename", name]
+           "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", name]
     if concurrency is not None:
         cmd += ["--max-concurrency", str(concurrency)]
     cmd += list(extra_args)
@@ -146,23 +166,34 @@ def bench_serve(args, server: Server, model_id: str, model_dir: str, rate: str, 
     return json.loads((workdir / name).read_text())
 
 
-def summarize(raw: dict) -> dict:
+def summarize(raw: dict, flops: FlopBasis | None = None) -> dict:
+    """The figures kept of one `vllm bench serve` result (its per-request lists dropped)."""
     keep = {"completed": raw.get("completed"), "failed": raw.get("failed", 0),
             "request_throughput": raw["request_throughput"], "output_throughput": raw["output_throughput"],
             "duration_s": raw["duration"], "num_prompts": raw["num_prompts"],
+            "total_input_tokens": raw.get("total_input_tokens"),
             "total_output_tokens": raw.get("total_output_tokens")}
     for metric in METRICS:
         for p in PERCENTILES:
             keep[f"p{p}_{metric}_ms"] = raw.get(f"p{p}_{metric}_ms")
+    if flops is not None and raw.get("input_lens"):
+        # The prompt lengths are the server's own counts (usage), chat template included; a
+        # failed request generated nothing and is left out. Prefix-cache hits count as computed.
+        lengths = [(i, o) for i, o in zip(raw["input_lens"], raw["output_lens"]) if o]
+        gflops = model_flops_of_lengths(flops.hf_config, lengths) / raw["duration"] / 1e9
+        keep["model_gflops_per_s"] = gflops
+        keep["mfu"] = gflops / flops.peak_gflops_per_s
     return keep
 
 
-def run_system(args, system: str, model_dir: str, workdir: Path) -> dict:
+def run_system(args, system: str, model_dir: str, workdir: Path, flops: FlopBasis | None = None) -> dict:
     make = {"pagedserve": pagedserve_server, "vllm": vllm_server}[system]
-    return run_points(args, make(args, model_dir, free_port(), workdir), model_dir, workdir)
+    return run_points(args, make(args, model_dir, free_port(), workdir), model_dir, workdir,
+                      flops=flops)
 
 
-def run_points(args, server: Server, tokenizer: str, workdir: Path, extra_args: tuple[str, ...] = ()) -> dict:
+def run_points(args, server: Server, tokenizer: str, workdir: Path, extra_args: tuple[str, ...] = (),
+               flops: FlopBasis | None = None) -> dict:
     """Start `server`, then every sweep point of `args` against it, printed as it goes; the
     summaries by point label. `tokenizer` is the load generator's (an HF folder)."""
     results = {}
@@ -174,12 +205,13 @@ def run_points(args, server: Server, tokenizer: str, workdir: Path, extra_args: 
         for rate, concurrency in sweep_points(args):
             label = point_label(rate, concurrency)
             results[label] = summarize(bench_serve(args, server, model_id, tokenizer, rate, concurrency,
-                                                   workdir, extra_args))
+                                                   workdir, extra_args), flops)
             r = results[label]
+            mfu = f"  MFU {r['mfu']:6.1%}" if "mfu" in r else ""
             print(f"  {label:>9}: {r['request_throughput']:6.2f} req/s {r['output_throughput']:8.1f} out tok/s  "
                   f"TTFT p50 {r['p50_ttft_ms']:8.1f} p99 {r['p99_ttft_ms']:8.1f}  "
                   f"TPOT p50 {r['p50_tpot_ms']:7.1f}  ITL p50 {r['p50_itl_ms']:7.1f} "
-                  f"p99 {r['p99_itl_ms']:7.1f} ms  failed {r['failed']} of {r['num_prompts']}",
+                  f"p99 {r['p99_itl_ms']:7.1f} ms  failed {r['failed']} of {r['num_prompts']}{mfu}",
                   flush=True)
     return results
 
@@ -214,8 +246,9 @@ def ratio_table(results: dict, base: str = "vllm", ours: str = "pagedserve") -> 
         if b is None:
             continue
         ratios[label] = {k: (a[k] / b[k] if a.get(k) and b.get(k) else None) for k in keys}
+        mfu = (f"   MFU {a['mfu']:.1%} vs {b['mfu']:.1%}" if "mfu" in a and "mfu" in b else "")
         print(f"{label:>9} " + " ".join(f"{ratios[label][k]:7.2f}x" if ratios[label][k] is not None
-                                        else f"{'n/a':>8}" for k in keys))
+                                        else f"{'n/a':>8}" for k in keys) + mfu)
     return ratios
 
 
@@ -293,15 +326,20 @@ def main() -> None:
     else:
         model_dir = resolve_model(args.model)
     systems = [s for s in args.systems.split(",") if s]
+    flops = flop_basis(args, model_dir)
+    if flops is not None:
+        print(f"{args.dtype} GEMM peak at {args.threads} thread(s): "
+              f"{flops.peak_gflops_per_s:.1f} GFLOP/s (torch.mm)", flush=True)
     rounds: dict[str, list[dict]] = {system: [] for system in systems}
     with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
         for round_ in range(args.rounds):  # alternating, so drift on a shared machine hits both
             for system in systems:
                 workdir = Path(tmp) / f"{system}-{round_}"
                 workdir.mkdir()
-                rounds[system].append(run_system(args, system, model_dir, workdir))
+                rounds[system].append(run_system(args, system, model_dir, workdir, flops))
     results = {system: median_results(r) for system, r in rounds.items()}
-    summary = {"config": vars(args), "model_dir": model_dir, "results": results, "rounds": rounds}
+    summary = {"config": vars(args), "model_dir": model_dir, "results": results, "rounds": rounds,
+               "gemm_peak_gflops_per_s": flops.peak_gflops_per_s if flops else None}
     if "pagedserve" in results and "vllm" in results:
         summary["ratios_pagedserve_over_vllm"] = ratio_table(results)
     print("wrote", write_result("serving", summary))

@@ -173,6 +173,11 @@ def gemm_peak(threads: int, dtype: str) -> float:
 def model_flops(hf_config: dict, requests: list) -> float:
     """Model FLOPs of the workload: 2 per weight per token fed through the layers, attention's
     QK^T and PV over the causal context, and the LM head once per generated token."""
+    return model_flops_of_lengths(hf_config, [(len(prompt), new) for prompt, new in requests])
+
+
+def model_flops_of_lengths(hf_config: dict, lengths) -> float:
+    """model_flops over (prompt tokens, generated tokens) pairs."""
     hidden, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
     heads = hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or hidden // heads
@@ -180,8 +185,8 @@ def model_flops(hf_config: dict, requests: list) -> float:
     per_layer = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
                  + 3 * hidden * hf_config["intermediate_size"])
     total = 0.0
-    for prompt, new in requests:
-        fed = len(prompt) + new - 1  # the last sampled token is never fed back
+    for num_prompt, new in lengths:
+        fed = num_prompt + new - 1  # the last sampled token is never fed back
         total += 2 * layers * per_layer * fed
         total += 4 * layers * heads * head_dim * fed * (fed + 1) / 2  # token t attends t+1 positions
         total += 2 * hidden * hf_config["vocab_size"] * new
@@ -189,13 +194,16 @@ def model_flops(hf_config: dict, requests: list) -> float:
 
 
 def measure_peak(args) -> dict:
-    peaks = {}
-    for dtype in ("float32", "bfloat16"):
-        out = subprocess.run([sys.executable, "-m", "bench.peers.offline", "--threads", str(args.threads),
-                              "--dtype", dtype, "--child", "gemm"],
-                             check=True, capture_output=True, text=True).stdout
-        peaks[dtype] = float(out.split()[-1])
-    return peaks
+    return {dtype: gemm_peak_in_child(args.threads, dtype) for dtype in ("float32", "bfloat16")}
+
+
+def gemm_peak_in_child(threads: int, dtype: str) -> float:
+    """gemm_peak in a process of its own (torch stays out of the caller; the caller's CPU-level
+    environment applies)."""
+    out = subprocess.run([sys.executable, "-m", "bench.peers.offline", "--threads", str(threads),
+                          "--dtype", dtype, "--child", "gemm"],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.split()[-1])
 
 
 def measure(args, systems: list[str], requests: list, results: dict,
