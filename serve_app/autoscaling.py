@@ -15,7 +15,8 @@ The policy asks for the most that any of them asks for: replicas to hold the que
 `target_queue_depth` each, the load at `target_load` each, and caches that hold
 `cache_coverage` of the working set. It scales up as soon as one is exceeded and down only
 when all have room to spare (the queue and the load with `downscale_ratio` headroom, the working
-set within `cache_fill` of the caches left), in bounded steps (`desired_num_replicas` says why).
+set within `cache_fill` of the caches left), in bounded steps (`desired_num_replicas` says why);
+for `rewarm_s` after a scale-down it grows back at most to the replicas before it.
 
 Ray Serve wraps the policy with `upscale_delay_s` / `downscale_delay_s` (a change must be wanted
 that long before it happens), `min_replicas` / `max_replicas`, and the scaling factors. A replica
@@ -61,6 +62,10 @@ DEFAULTS = dict(
     # the rest is for the running sequences' own blocks, which grow with the load the removed
     # replica hands over.
     cache_fill=2 / 3,
+    # For this long after a scale-down, scale up at most back to the replicas before it: the
+    # surge that follows a scale-down is mostly the remaining replicas re-prefilling the removed
+    # ones' prefixes, which reads as growth to the queue and to the load's trend. 0: no cap.
+    rewarm_s=60.0,
     upscale_delay_s=10.0,  # Ray Serve LLM's default target is effectively "never": ours scales
     downscale_delay_s=60.0,
     metrics_interval_s=1.0,  # how often replicas push their stats
@@ -79,6 +84,7 @@ class QueueDepthPolicySettings(BaseModel):
     trend_window_s: float = Field(DEFAULTS["trend_window_s"], gt=0)
     cache_coverage: float = Field(DEFAULTS["cache_coverage"], ge=0, le=1)
     cache_fill: float = Field(DEFAULTS["cache_fill"], gt=0, le=1)
+    rewarm_s: float = Field(DEFAULTS["rewarm_s"], ge=0)
 
 
 def desired_num_replicas(total_queue_depth: float, num_replicas: int, target_queue_depth: float,
@@ -146,7 +152,8 @@ def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
            target_load: float = DEFAULTS["target_load"], lead_s: float = DEFAULTS["lead_s"],
            trend_window_s: float = DEFAULTS["trend_window_s"],
            cache_coverage: float = DEFAULTS["cache_coverage"],
-           cache_fill: float = DEFAULTS["cache_fill"]) -> tuple[int, dict[str, Any]]:
+           cache_fill: float = DEFAULTS["cache_fill"],
+           rewarm_s: float = DEFAULTS["rewarm_s"]) -> tuple[int, dict[str, Any]]:
     """`fn(ctx) -> (num_replicas, state)`: Ray Serve's custom autoscaling policy signature.
 
     A rising load would outrun replicas asked for only once it is there: a replica serves
@@ -170,9 +177,21 @@ def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
             if load >= TURNED * max(y for _, y in recent):
                 slope = min(load_trend(history), load_trend(recent))
                 planned = max(load, load + slope * lead_s)
-    num_replicas = desired_num_replicas(depth, ctx.current_num_replicas, target_queue_depth,
+    current = ctx.current_num_replicas
+    num_replicas = desired_num_replicas(depth, current, target_queue_depth,
                                         downscale_ratio, planned, working_set, target_load,
                                         cache_coverage, cache_fill)
+    if now is not None:
+        before = state.get("num_replicas")
+        scaled_down = state.get("scaled_down")
+        if before is not None and current < before:
+            if scaled_down is not None and now - scaled_down[0] < rewarm_s:
+                before = max(before, scaled_down[1])  # one scale-down, its replicas stopping
+            state["scaled_down"] = (now, before)
+        state["num_replicas"] = current
+        scaled_down = state.get("scaled_down")
+        if scaled_down is not None and now - scaled_down[0] < rewarm_s:
+            num_replicas = min(num_replicas, max(scaled_down[1], current))
     num_replicas = max(ctx.capacity_adjusted_min_replicas,
                        min(ctx.capacity_adjusted_max_replicas, num_replicas))
     state.update(queue_depth=depth, load=load, planned_load=planned, kv_working_set=working_set,

@@ -25,6 +25,7 @@ class AutoscalerSettings:
     trend_window_s: float = DEFAULTS["trend_window_s"]
     cache_coverage: float = DEFAULTS["cache_coverage"]
     cache_fill: float = DEFAULTS["cache_fill"]
+    rewarm_s: float = DEFAULTS["rewarm_s"]
     upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
     downscale_delay_s: float = DEFAULTS["downscale_delay_s"]
     metrics_interval_s: float = DEFAULTS["metrics_interval_s"]

@@ -192,3 +192,24 @@ def test_a_rising_load_is_planned_for_ahead_and_a_falling_one_is_not():
     c = timed(3.2, 0, {})
     del c.current_time
     assert policy(c, target_load=0.8)[1]["planned_load"] == 3.2
+
+
+def test_a_surge_right_after_a_scale_down_scales_back_no_further():
+    """The queue that follows a scale-down from 6 to 4 (the 4 re-prefill the removed replicas'
+    prefixes) asks for 6 again, not for the bounded step a burst would get, while rewarm_s lasts."""
+    def surge(now, state=None):  # 80 queued on 4 replicas: 20 replicas' worth at target 4
+        c = loaded({r: 20.0 for r in "abcd"}, {r: 0.9 for r in "abcd"}, state=state, hi=100)
+        c.current_time = now
+        return c
+
+    state = policy(timed(3.0, 0, {}, n=6), rewarm_s=60)[1]
+    assert state["num_replicas"] == 6
+    n, state = policy(surge(10, state), rewarm_s=60)
+    assert n == 6 and state["scaled_down"] == (10, 6)
+    # past rewarm_s, or with the cap off, the queue takes its bounded step (4 more: 8)
+    assert policy(surge(71, dict(state)), rewarm_s=60)[0] == 8
+    assert policy(surge(10, dict(state)), rewarm_s=0)[0] == 8
+    # two replicas stopping a tick apart are one scale-down: still back to 6
+    state = policy(timed(3.0, 0, {}, n=6), rewarm_s=60)[1]
+    state = policy(timed(3.0, 5, state, n=5), rewarm_s=60)[1]
+    assert policy(surge(10, state), rewarm_s=60)[0] == 6
