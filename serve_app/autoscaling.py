@@ -16,7 +16,8 @@ The policy asks for the most that any of them asks for: replicas to hold the que
 `cache_coverage` of the working set. It scales up as soon as one is exceeded and down only
 when all have room to spare (the queue and the load with `downscale_ratio` headroom, the working
 set within `cache_fill` of the caches left), in bounded steps (`desired_num_replicas` says why);
-for `rewarm_s` after a scale-down it grows back at most to the replicas before it.
+for `rewarm_s` after a scale-down it grows back at most to the replicas before it. A replica's
+queue in its first `warmup_s` of serving is left out of the queue rule.
 
 Ray Serve wraps the policy with `upscale_delay_s` / `downscale_delay_s` (a change must be wanted
 that long before it happens), `min_replicas` / `max_replicas`, and the scaling factors. A replica
@@ -66,6 +67,13 @@ DEFAULTS = dict(
     # surge that follows a scale-down is mostly the remaining replicas re-prefilling the removed
     # ones' prefixes, which reads as growth to the queue and to the load's trend. 0: no cap.
     rewarm_s=60.0,
+    # A replica's queue in its first seconds of serving is its cache warming, not demand: the
+    # router moves tenants' homes onto it (the cold homes of the grown set, load-override past
+    # busy holders) and each re-prefills its shared context there. Read as growth, that queue
+    # asked for a bounded step more on every scale-up while the load rose (hour-long day, seed
+    # 3: 7 -> 11 replicas where 8-9 held the load, then back). Its load and working set count
+    # from the start; 0 counts its queue too.
+    warmup_s=30.0,
     upscale_delay_s=10.0,  # Ray Serve LLM's default target is effectively "never": ours scales
     downscale_delay_s=60.0,
     metrics_interval_s=1.0,  # how often replicas push their stats
@@ -85,6 +93,7 @@ class QueueDepthPolicySettings(BaseModel):
     cache_coverage: float = Field(DEFAULTS["cache_coverage"], ge=0, le=1)
     cache_fill: float = Field(DEFAULTS["cache_fill"], gt=0, le=1)
     rewarm_s: float = Field(DEFAULTS["rewarm_s"], ge=0)
+    warmup_s: float = Field(DEFAULTS["warmup_s"], ge=0)
 
 
 def desired_num_replicas(total_queue_depth: float, num_replicas: int, target_queue_depth: float,
@@ -134,6 +143,20 @@ def total_queue_depth(ctx) -> float:
     return _summed(ctx, QUEUE_DEPTH_METRIC) + float(ctx.total_queued_requests or 0.0)
 
 
+def warming_queue_depth(ctx, state: dict[str, Any], now: float | None, warmup_s: float) -> float:
+    """The window-averaged queue depth of the replicas in their first warmup_s of serving, and
+    when each running replica was first seen (`state["serving_since"]`); those running at the
+    policy's first call count as warm (a restarted controller finds replicas long in service)."""
+    if now is None or warmup_s <= 0:
+        return 0.0
+    seen = state.get("serving_since")
+    first_seen = float("-inf") if seen is None else now
+    since = {r: (seen or {}).get(r, first_seen) for r in ctx.running_replicas}
+    state["serving_since"] = since
+    per_replica = (ctx.aggregated_metrics or {}).get(QUEUE_DEPTH_METRIC, {})
+    return sum(float(per_replica.get(r, 0.0)) for r, t in since.items() if now - t < warmup_s)
+
+
 def load_trend(history: list[tuple[float, float]]) -> float:
     """The least-squares slope of (time, load) points, per second; 0 with fewer than 3 or
     no spread in time."""
@@ -153,18 +176,19 @@ def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
            trend_window_s: float = DEFAULTS["trend_window_s"],
            cache_coverage: float = DEFAULTS["cache_coverage"],
            cache_fill: float = DEFAULTS["cache_fill"],
-           rewarm_s: float = DEFAULTS["rewarm_s"]) -> tuple[int, dict[str, Any]]:
+           rewarm_s: float = DEFAULTS["rewarm_s"],
+           warmup_s: float = DEFAULTS["warmup_s"]) -> tuple[int, dict[str, Any]]:
     """`fn(ctx) -> (num_replicas, state)`: Ray Serve's custom autoscaling policy signature.
 
     A rising load would outrun replicas asked for only once it is there: a replica serves
     `lead_s` after the policy asks. So the load the policy plans for is the larger of now's and
     where its trend over `trend_window_s` (kept in the policy state) leads in `lead_s`; a
     falling trend never plans for less than now's, nor does one that has turned."""
-    depth = total_queue_depth(ctx)
-    load = _summed(ctx, LOAD_METRIC)
-    working_set = _summed(ctx, KV_WORKING_SET_METRIC)
     state = dict(ctx.policy_state or {})
     now = getattr(ctx, "current_time", None)
+    depth = total_queue_depth(ctx) - warming_queue_depth(ctx, state, now, warmup_s)
+    load = _summed(ctx, LOAD_METRIC)
+    working_set = _summed(ctx, KV_WORKING_SET_METRIC)
     planned = load
     if now is not None and lead_s > 0:
         history = [(t, y) for t, y in state.get("load_history", ()) if t > now - trend_window_s]

@@ -26,6 +26,7 @@ class AutoscalerSettings:
     cache_coverage: float = DEFAULTS["cache_coverage"]
     cache_fill: float = DEFAULTS["cache_fill"]
     rewarm_s: float = DEFAULTS["rewarm_s"]
+    warmup_s: float = DEFAULTS["warmup_s"]
     upscale_delay_s: float = DEFAULTS["upscale_delay_s"]
     downscale_delay_s: float = DEFAULTS["downscale_delay_s"]
     metrics_interval_s: float = DEFAULTS["metrics_interval_s"]

@@ -213,3 +213,24 @@ def test_a_surge_right_after_a_scale_down_scales_back_no_further():
     state = policy(timed(3.0, 0, {}, n=6), rewarm_s=60)[1]
     state = policy(timed(3.0, 5, state, n=5), rewarm_s=60)[1]
     assert policy(surge(10, state), rewarm_s=60)[0] == 6
+
+
+def test_a_new_replicas_warming_queue_is_not_demand():
+    """A replica that just joined re-prefills the tenants' contexts the router moves onto it: its
+    queue is left out of the queue rule for warmup_s. The replicas' own queues still count, and
+    those running at the first call (a restarted controller) are warm."""
+    def fleet(now, depths, state, **settings):
+        c = loaded(depths, {r: 0.7 for r in depths}, state=state, hi=100)
+        c.current_time = now
+        return policy(c, **settings)
+
+    warm = {r: 1.0 for r in "abcd"}
+    n, state = fleet(0, warm, {})
+    assert n == 4
+    joined = {**warm, "e": 40.0}  # 44 queued on 5: 11 replicas' worth, a bounded step to 9
+    n, after = fleet(10, joined, state)
+    assert n == 5 and after["queue_depth"] == 4.0 and after["serving_since"]["e"] == 10
+    assert fleet(10, joined, state, warmup_s=0)[0] == 9
+    assert fleet(40, joined, after)[0] == 9  # warm now: a queue is demand again
+    assert fleet(10, {**{r: 10.0 for r in "abcd"}, "e": 40.0}, state)[0] == 9  # 40 on the rest
+    assert fleet(0, {r: 10.0 for r in "abcd"}, {})[0] == 8  # 40 at the first call: 4 + 4
