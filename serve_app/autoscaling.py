@@ -145,12 +145,14 @@ def total_queue_depth(ctx) -> float:
 
 def warming_queue_depth(ctx, state: dict[str, Any], now: float | None, warmup_s: float) -> float:
     """The window-averaged queue depth of the replicas in their first warmup_s of serving, and
-    when each running replica was first seen (`state["serving_since"]`); those running at the
-    policy's first call count as warm (a restarted controller finds replicas long in service)."""
+    when each running replica was first seen (`state["serving_since"]`). Only a replica that
+    joins running ones warms up: those running at the policy's first call (a restarted
+    controller finds replicas long in service) or when none ran (a deployment's first, or the
+    first after zero) take no tenants from anyone, so their queue is demand."""
     if now is None or warmup_s <= 0:
         return 0.0
     seen = state.get("serving_since")
-    first_seen = float("-inf") if seen is None else now
+    first_seen = now if seen else float("-inf")
     since = {r: (seen or {}).get(r, first_seen) for r in ctx.running_replicas}
     state["serving_since"] = since
     per_replica = (ctx.aggregated_metrics or {}).get(QUEUE_DEPTH_METRIC, {})

@@ -234,3 +234,7 @@ def test_a_new_replicas_warming_queue_is_not_demand():
     assert fleet(40, joined, after)[0] == 9  # warm now: a queue is demand again
     assert fleet(10, {**{r: 10.0 for r in "abcd"}, "e": 40.0}, state)[0] == 9  # 40 on the rest
     assert fleet(0, {r: 10.0 for r in "abcd"}, {})[0] == 8  # 40 at the first call: 4 + 4
+    # a deployment's first replicas, seen running after a call that found none: demand too
+    none = loaded({}, {}, state={}, hi=100)
+    none.current_time = 0
+    assert fleet(5, {r: 10.0 for r in "abcd"}, policy(none)[1])[0] == 8
