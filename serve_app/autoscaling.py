@@ -27,6 +27,7 @@ being removed leaves the routers first, then drains its in-flight requests for u
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -133,9 +134,12 @@ def desired_num_replicas(total_queue_depth: float, num_replicas: int, target_que
     return max(floor, n - max(1, n // STEP_DOWN))
 
 
-def _summed(ctx, metric: str) -> float:
+def _summed(ctx, metric: str, replica_ids: Iterable[Any] | None = None) -> float:
+    """metric's window averages summed over replica_ids (None: the running replicas)."""
     per_replica = (ctx.aggregated_metrics or {}).get(metric, {})
-    return sum(float(per_replica.get(replica_id, 0.0)) for replica_id in ctx.running_replicas)
+    if replica_ids is None:
+        replica_ids = ctx.running_replicas
+    return sum(float(per_replica.get(replica_id, 0.0)) for replica_id in replica_ids)
 
 
 def total_queue_depth(ctx) -> float:
@@ -155,8 +159,23 @@ def warming_queue_depth(ctx, state: dict[str, Any], now: float | None, warmup_s:
     first_seen = now if seen else float("-inf")
     since = {r: (seen or {}).get(r, first_seen) for r in ctx.running_replicas}
     state["serving_since"] = since
-    per_replica = (ctx.aggregated_metrics or {}).get(QUEUE_DEPTH_METRIC, {})
-    return sum(float(per_replica.get(r, 0.0)) for r, t in since.items() if now - t < warmup_s)
+    return _summed(ctx, QUEUE_DEPTH_METRIC, [r for r, t in since.items() if now - t < warmup_s])
+
+
+def rewarm_cap(state: dict[str, Any], now: float, current: int, rewarm_s: float) -> int | None:
+    """The most replicas to grow to: for rewarm_s after a scale-down, those before it (None: no
+    cap). Keeps the replicas seen now (`state["num_replicas"]`) and the last scale-down, as
+    (time, replicas before it), in `state["scaled_down"]`; replicas stopping over several ticks
+    are one scale-down."""
+    before = state.get("num_replicas")
+    scaled_down = state.get("scaled_down")
+    recent = scaled_down is not None and now - scaled_down[0] < rewarm_s
+    if before is not None and current < before:
+        before = max(before, scaled_down[1]) if recent else before
+        scaled_down = state["scaled_down"] = (now, before)
+        recent = rewarm_s > 0  # it happened now
+    state["num_replicas"] = current
+    return max(scaled_down[1], current) if recent else None
 
 
 def load_trend(history: list[tuple[float, float]]) -> float:
@@ -207,17 +226,9 @@ def policy(ctx, *, target_queue_depth: float = DEFAULTS["target_queue_depth"],
     num_replicas = desired_num_replicas(depth, current, target_queue_depth,
                                         downscale_ratio, planned, working_set, target_load,
                                         cache_coverage, cache_fill)
-    if now is not None:
-        before = state.get("num_replicas")
-        scaled_down = state.get("scaled_down")
-        if before is not None and current < before:
-            if scaled_down is not None and now - scaled_down[0] < rewarm_s:
-                before = max(before, scaled_down[1])  # one scale-down, its replicas stopping
-            state["scaled_down"] = (now, before)
-        state["num_replicas"] = current
-        scaled_down = state.get("scaled_down")
-        if scaled_down is not None and now - scaled_down[0] < rewarm_s:
-            num_replicas = min(num_replicas, max(scaled_down[1], current))
+    cap = rewarm_cap(state, now, current, rewarm_s) if now is not None else None
+    if cap is not None:
+        num_replicas = min(num_replicas, cap)
     num_replicas = max(ctx.capacity_adjusted_min_replicas,
                        min(ctx.capacity_adjusted_max_replicas, num_replicas))
     state.update(queue_depth=depth, load=load, planned_load=planned, kv_working_set=working_set,
