@@ -8,9 +8,10 @@ A decision is what the ingress does per request: the shim's work (the old one ob
 digest and retained the live set per request; the current one does that when the set changes),
 `choose`, the first rank, and `routed`/`completed`. A share of the requests are cold (a prefix no
 replica holds), which the rendezvous home decides. The current index leaves the per-hash TTL
-stamps of its optimistic inserts, and the long fresh tails of cold ones (`lazy tails`), to the next
-digest of the replica (off the request path); that deferred work is timed at the end and reported
-per request beside the decisions. Then the current router runs the same requests again alone
+stamps of its optimistic inserts, the long fresh tails of cold ones (`lazy tails`), and the
+bookkeeping of the runs a decision remembered (the pointers that forget a run when one of its
+blocks changes holders) to the next digest of the replica (off the request path); that deferred
+work is timed at the end and reported per request beside the decisions. Then the current router runs the same requests again alone
 (`current alone`), as an ingress runs it: interleaved, the old algorithm's garbage sets off
 collections that land in the current one's decisions.
 
@@ -118,7 +119,8 @@ def measure(num_replicas: int, args) -> dict:
             times[kind].append(time.thread_time() - began)
     began = time.thread_time()
     index = states["current"][0].index
-    for replica_id in ids:  # what the next digests would do first
+    index.runs.settle()  # what the next digests would do first
+    for replica_id in ids:
         index._enter_lazy(replica_id)
         index._stamped(replica_id)
     deferred = (time.thread_time() - began) / len(stream)

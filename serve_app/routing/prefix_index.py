@@ -15,7 +15,8 @@ costs the request's blocks times the replicas that hold them, not the fleet's si
 A hot prompt's shared part (an llm-d tenant's 6,000-token context: 375 blocks) has one holder set
 all along, and looking each of its blocks up in a large, cache-cold index was most of a decision.
 So the index remembers such runs: from a chain's first block, the length, the last hash and the
-holder set of its leading blocks that all have that one holder set. Since hashes are chained, a
+holder set of its leading blocks that all have that one holder set (the bookkeeping that forgets
+them waits for the next digest). Since hashes are chained, a
 request whose block at the run's last position equals the run's last hash shares every block
 before it, and skips their lookups (`prefix_runs`). A run is forgotten as soon as any of its
 blocks changes holders, so matches stay exact; unless all of them gain the same replica at once (a
@@ -128,6 +129,7 @@ class PrefixIndex:
             mirror = self._mirrors[replica_id] = CacheMirror(_Holders(self, replica_id))
         if replica_id in self._lazy_of:  # the events below may name its blocks
             self._enter_lazy(replica_id)
+        self.runs.settle()  # what the decisions since the last digest left (see prefix_runs)
         if kv_events is not None:
             mirror.apply(kv_events)
         self._report_time[replica_id] = report_time

@@ -102,7 +102,3 @@ class ReplicaSet:
             weights = self._kept[key] = self.weights(key)
             weights.flags.writeable = False
         return weights
-
-    def weights_at(self, key: int, positions: np.ndarray) -> np.ndarray:
-        """The rendezvous weights for key of the replicas at `positions`."""
-        return _mix64_array(self._seeds[positions] ^ np.uint64(mix64(key & MASK64)))

@@ -119,6 +119,21 @@ def test_a_remembered_run_skips_its_lookups_and_is_forgotten_when_its_blocks_cha
     assert index.match(query, ["r1", "r2", "r5"]) == {"r1": 40, "r2": 12, "r5": 41}
 
 
+def test_a_run_remembered_since_the_last_digest_is_still_forgotten_when_its_blocks_change():
+    """A decision leaves a run's bookkeeping to the next digest; a change before then (a take-back
+    on the request path) must still forget it, or the next match skips blocks that changed."""
+    context = block_hashes(list(range(40 * BS)), BS)
+    index = PrefixIndex(run_min_blocks=8)
+    index.observe("r1", snapshot(context), report_time=1.0)
+    index.insert("r2", context[:30], now=1.0)
+    index.insert("r2", context[:5], now=2.0)  # another request shares its first 5 blocks
+    assert index.match(context, ["r1", "r2"]) == {"r1": 40, "r2": 30}
+    assert [length for length, _, _ in index.runs.by_root[context[0]]] == [30]
+    index.remove("r2", context[:30], inserted_at=1.0)  # the first went elsewhere: r2 keeps 5
+    assert context[0] not in index.runs.by_root
+    assert index.match(context, ["r1", "r2"]) == {"r1": 40, "r2": 5}
+
+
 def test_a_cold_prompt_waits_as_a_lazy_tail_matched_by_position_until_the_digest():
     context = block_hashes(list(range(30 * BS)), BS)  # nobody holds it
     index = PrefixIndex(lazy_min_blocks=8)
