@@ -198,7 +198,8 @@ def old_choose_replica(block_hashes: Sequence[int], loads: Mapping[str, float],
 
     if num_blocks:
         home = max(ids, key=lambda r: weight[r])
-        if loads[home] - least <= settings.cold_home_max_excess_load:
+        guard = settings.cold_home_max_excess_load  # (None: the current router's default)
+        if guard is None or loads[home] - least <= guard:
             return (rank(home), COLD_HOME, matched[home])
 
     pick = power_of_two_choices(ids, loads, rng or random)

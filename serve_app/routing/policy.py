@@ -16,7 +16,8 @@ how many leading blocks of the request each replica holds.
 3. Fallback: power of two choices on load.
 
 Ties between equally good replicas go to the lower load, then to the rendezvous winner, so
-decisions are deterministic (except the random pair of the fallback) and the same in every router.
+decisions are deterministic (except the random pairs: the fallback's, a cold home's if set) and
+the same in every router.
 
 The cost follows the replicas that hold the prompt, not the fleet: what a decision does for every
 replica is a few C-level passes (their loads, the least of them, the rendezvous weights of a cold
@@ -54,14 +55,21 @@ class RoutingSettings(BaseModel):
     # their holders while the rest idle. bench.fleet, llmd workload, TTFT p90 at 4/2, 16/8, 64/32:
     # 8 replicas 3.5/1.3/0.41 s; 1,000 replicas at 5,000 req/s 0.39/0.54/2.2 s (p2c 14.5, 1.6).
     load_override_threshold: float = Field(16.0, ge=0)
-    # The same guard for a cold prefix's home; lower, since nothing is cached there yet.
-    cold_home_max_excess_load: float = Field(8.0, ge=0)
+    # The same guard for a cold prefix's home, lower, since nothing is cached there yet: a home
+    # busier than the least-loaded replica by more than this goes to two choices (None: never).
+    cold_home_max_excess_load: float | None = Field(8.0, ge=0)
     # Set: a cold home is one of two choices, taken unless another replica drawn at random is less
-    # loaded by more than this. None (the default): the home is a hash, blind to load within
-    # cold_home_max_excess_load. bench.fleet seed 0, once loads count late reports right
-    # (load.py): nosharing, 64 replicas ramping to 640 req/s, TTFT p90 vs p2c's 0.326 s: 0.335 s
-    # (None), 0.347 s (0); llmd, 8 replicas to 120 req/s: 2.30 s (None), 1.94 s (0), p2c 29.0 s,
-    # both ~60x p2c where p2c saturates (48 req/s). None keeps workload 3 within 5 % of p2c.
+    # loaded by more than this. None (the default): the home, blind to load within the guard.
+    # Unique prompts and a day of tenants pull opposite ways. bench.fleet nosharing (64 replicas
+    # to 640 req/s, 100 s, seeds 0-2), TTFT p90 against p2c's 0.337 / 0.351 / 0.342 s: these
+    # defaults 0.387 / 0.400 / 0.393 (the guard sends 55 % of the prompts to p2c, and a mix that
+    # chases the least in-flight count piles new prefills together); slack 8 with the guard off
+    # 0.328 / 0.334 / 0.323 at p2c's tokens/s (slack 0: 0.359-0.368, 16: 0.309-0.325). But the
+    # guard helps the llm-d day (`--workload diurnal --duration-s 3600`, seeds 0 / 1): these
+    # defaults 28,649 / 28,274 replica-seconds, 1.18x / 1.18x the ideal; slack 8 with the guard
+    # off 28,301 / 29,525, 1.16x / 1.23x (its capacity at 3 to 5 replicas 10-15 % lower on seed
+    # 0: tenants' contexts scatter); slack 16 with the guard off 29,426 / 29,114. Unique prompts
+    # are better served with the first; the defaults keep the day within 1.2x of its ideal.
     cold_home_pair_slack: float | None = Field(None, ge=0)
     # Leading blocks a replica must hold beyond the replica holding the fewest for affinity to count.
     min_affinity_blocks: int = Field(1, ge=1)
@@ -146,12 +154,13 @@ def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: Pref
 
     if num_blocks:
         home = int(np.argmax(replicas.weights(key)))
-        if load_list[home] - least <= settings.cold_home_max_excess_load:
+        guard = settings.cold_home_max_excess_load
+        if guard is None or load_list[home] - least <= guard:
             slack = settings.cold_home_pair_slack
             if slack is None or len(ids) == 1:
                 return decide(home, COLD_HOME)
             # Two choices, one of them the home: as good as two random ones where the prompt is
-            # never seen again, and the home whenever it is no busier than the other.
+            # never seen again, and the home whenever it is within the slack of the other.
             other = (rng or random).randrange(len(ids) - 1)
             other += other >= home
             if load_list[home] - load_list[other] <= slack:

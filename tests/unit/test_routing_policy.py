@@ -87,6 +87,23 @@ def test_a_cold_home_busier_than_the_two_choices_pick_yields_to_it():
     assert {choose(A, loads, {}, paired, seed=s).replica_id for s in range(20)} == {home}
 
 
+def test_without_the_guard_a_cold_home_yields_only_to_a_pick_lighter_by_the_slack():
+    """The setting for unique prompts: the home against one replica drawn at random, no guard
+    against the least loaded of the fleet (see the settings' comment)."""
+    s = RoutingSettings(cold_home_pair_slack=8, cold_home_max_excess_load=None)
+    ids = [f"r{i}" for i in range(8)]
+    home = rendezvous_home(A[0], ids)
+    loads = {r: 0.0 for r in ids} | {home: 8.0}  # far above the least, within the slack of all
+    assert {choose(A, loads, {}, s, seed=seed).replica_id for seed in range(20)} == {home}
+    loads[home] = 9.0  # lighter by more than the slack: any other replica takes it
+    for seed in range(20):
+        d = choose(A, loads, {}, s, seed=seed)
+        assert d.replica_id != home and d.reason == FALLBACK
+    loads = {r: 0.0 for r in ids} | {home: 9.0, ids[ids.index(home) - 1]: 9.0}
+    picks = {choose(A, loads, {}, s, seed=seed).replica_id for seed in range(40)}
+    assert home in picks and len(picks) > 1  # home when the random other is as busy
+
+
 def test_a_prefix_every_replica_holds_says_nothing_the_rest_is_cold():
     matches = {r: 2 for r in IDS}  # say, a shared chat-template header
     d = choose(A, idle(), matches)
@@ -157,6 +174,7 @@ def test_defaults_leave_room_for_a_hot_prefix_before_load_wins():
     # long before their holder was busy (see the settings' comment for bench.fleet's figures).
     s = RoutingSettings()
     assert (s.load_override_threshold, s.cold_home_max_excess_load) == (16, 8)
+    assert s.cold_home_pair_slack is None
     d = choose(A, {"r1": 15.0, "r2": 0.0, "r3": 0.0}, {"r1": 4}, settings=s)
     assert (d.replica_id, d.reason) == ("r1", AFFINITY)
     d = choose(A, {"r1": 17.0, "r2": 0.0, "r3": 0.0}, {"r1": 4}, settings=s)
