@@ -198,7 +198,7 @@ def old_choose_replica(block_hashes: Sequence[int], loads: Mapping[str, float],
 
     if num_blocks:
         home = max(ids, key=lambda r: weight[r])
-        guard = settings.cold_home_max_excess_load  # (None: the current router's default)
+        guard = settings.cold_home_max_excess_load  # None: no guard
         if guard is None or loads[home] - least <= guard:
             return (rank(home), COLD_HOME, matched[home])
 

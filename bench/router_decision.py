@@ -11,9 +11,9 @@ replica holds), which the rendezvous home decides. The current index leaves the 
 stamps of its optimistic inserts, the long fresh tails of cold ones (`lazy tails`), and the
 bookkeeping of the runs a decision remembered (the pointers that forget a run when one of its
 blocks changes holders) to the next digest of the replica (off the request path); that deferred
-work is timed at the end and reported per request beside the decisions. Then the current router runs the same requests again alone
-(`current alone`), as an ingress runs it: interleaved, the old algorithm's garbage sets off
-collections that land in the current one's decisions.
+work is timed at the end and reported per request beside the decisions. Then the current router
+runs the same requests again alone (`current alone`), as an ingress runs it: interleaved, the old
+algorithm's garbage sets off collections that land in the current one's decisions.
 
     python -m bench.router_decision [--replicas 10,100,1000] [--requests 2000] [--in-flight 48]
 """

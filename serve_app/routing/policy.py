@@ -64,12 +64,13 @@ class RoutingSettings(BaseModel):
     # to 640 req/s, 100 s, seeds 0-2), TTFT p90 against p2c's 0.337 / 0.351 / 0.342 s: these
     # defaults 0.387 / 0.400 / 0.393 (the guard sends 55 % of the prompts to p2c, and a mix that
     # chases the least in-flight count piles new prefills together); slack 8 with the guard off
-    # 0.328 / 0.334 / 0.323 at p2c's tokens/s (slack 0: 0.359-0.368, 16: 0.309-0.325). But the
+    # 0.328 / 0.334 / 0.323 at p2c's tokens/s (slack 0: 0.349-0.368, 16: 0.309-0.325). But the
     # guard helps the llm-d day (`--workload diurnal --duration-s 3600`, seeds 0 / 1): these
     # defaults 28,649 / 28,274 replica-seconds, 1.18x / 1.18x the ideal; slack 8 with the guard
     # off 28,301 / 29,525, 1.16x / 1.23x (its capacity at 3 to 5 replicas 10-15 % lower on seed
-    # 0: tenants' contexts scatter); slack 16 with the guard off 29,426 / 29,114. Unique prompts
-    # are better served with the first; the defaults keep the day within 1.2x of its ideal.
+    # 0: tenants' contexts scatter); slack 16 with the guard off 29,426 / 29,114. So slack 8
+    # without the guard is for traffic without shared prefixes; the defaults keep the day within
+    # 1.2x of its ideal.
     cold_home_pair_slack: float | None = Field(None, ge=0)
     # Leading blocks a replica must hold beyond the replica holding the fewest for affinity to count.
     min_affinity_blocks: int = Field(1, ge=1)

@@ -16,9 +16,9 @@ A hot prompt's shared part (an llm-d tenant's 6,000-token context: 375 blocks) h
 all along, and looking each of its blocks up in a large, cache-cold index was most of a decision.
 So the index remembers such runs: from a chain's first block, the length, the last hash and the
 holder set of its leading blocks that all have that one holder set (the bookkeeping that forgets
-them waits for the next digest). Since hashes are chained, a
-request whose block at the run's last position equals the run's last hash shares every block
-before it, and skips their lookups (`prefix_runs`). A run is forgotten as soon as any of its
+them waits for the next digest). Since hashes are chained, a request whose block at the run's last
+position equals the run's last hash shares every block before it, and skips their lookups
+(`prefix_runs`). A run is forgotten as soon as any of its
 blocks changes holders, so matches stay exact; unless all of them gain the same replica at once (a
 prompt sent past its holders), which leaves them one holder set.
 

@@ -95,7 +95,7 @@ def test_without_the_guard_a_cold_home_yields_only_to_a_pick_lighter_by_the_slac
     home = rendezvous_home(A[0], ids)
     loads = {r: 0.0 for r in ids} | {home: 8.0}  # far above the least, within the slack of all
     assert {choose(A, loads, {}, s, seed=seed).replica_id for seed in range(20)} == {home}
-    loads[home] = 9.0  # lighter by more than the slack: any other replica takes it
+    loads[home] = 9.0  # every other replica is lighter by more than the slack: it takes it
     for seed in range(20):
         d = choose(A, loads, {}, s, seed=seed)
         assert d.replica_id != home and d.reason == FALLBACK
