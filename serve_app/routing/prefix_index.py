@@ -18,9 +18,9 @@ So the index remembers such runs: from a chain's first block, the length, the la
 holder set of its leading blocks that all have that one holder set (the bookkeeping that forgets
 them waits for the next digest). Since hashes are chained, a request whose block at the run's last
 position equals the run's last hash shares every block before it, and skips their lookups
-(`prefix_runs`). A run is forgotten as soon as any of its
-blocks changes holders, so matches stay exact; unless all of them gain the same replica at once (a
-prompt sent past its holders), which leaves them one holder set.
+(`prefix_runs`). A run is forgotten as soon as any of its blocks changes holders, so matches stay
+exact; unless all of them gain the same replica at once (a prompt sent past its holders), which
+leaves them one holder set.
 
 A request whose prompt nobody holds yet (a tenant's first 6,000-token context: ~450 fresh
 blocks) cost ~120 µs to enter into that index, the slowest decisions at a thousand replicas. So a
