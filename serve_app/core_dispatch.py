@@ -98,6 +98,14 @@ class CoreDispatch:
                                                     self.deployment)
         return self._router
 
+    def first_output(self, call_id: str | None) -> None:
+        """A request's first output came (its prompt is prefilled), on a channel (call_id: its
+        request id) or on its Ray call (Ray's id of the call): the router, where it runs on this
+        loop, counts its prompt as queued no longer."""
+        router = self.router() if self.enabled and call_id else None
+        if router is not None:
+            router.state.first_output(call_id)
+
     def sends(self, request: GenerateRequest) -> Iterator[Dispatched]:
         """Send the request to the replicas it ranks first, one at a time: each yielded send
         that the caller finds refused (`Dispatched.refused`) moves on to the next. Ends, with

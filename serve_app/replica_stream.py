@@ -212,6 +212,8 @@ class ReplicaStream:
             self.cancel()
             raise self.map_error(exc) from None
         self.first_delta_time = time.monotonic()
+        self.channels.dispatch.first_output(self.request_id if self.dispatched is not None
+                                            else self.call_id)
 
     async def _prime_on_channels(self) -> RequestOutput | None:
         """The first output of the request sent on a core's channel; None where no core with a

@@ -24,6 +24,9 @@ class _LocalLoad:
     def routed(self, request: Request, replica_id: str) -> None:
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
 
+    def first_token(self, request: Request) -> None:
+        pass
+
     def completed(self, request: Request) -> None:
         self.in_flight[request.replica_id] -= 1
 

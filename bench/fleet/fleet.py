@@ -181,6 +181,7 @@ class Fleet:
 
     def _first_token(self, request: Request) -> None:
         self.waiting.pop(request.request_id, None)
+        self.router.first_token(request)
         self._record(request, request.first_token_s - request.arrival_s, censored=False)
 
     def _finished(self, request: Request) -> None:

@@ -4,8 +4,9 @@
 on `RouterState`: on each broadcast of the replica set (`update_replicas`) it observes the digests
 that changed; when the fleet's routable set changes it retains it (Ray's candidate list is every
 replica the handle knows; the fleet offers a retry only those with room, which must not make the
-router forget the others); per request it asks `choose`; then `routed` when a replica accepted it
-and `completed` when it finished. Digests are the real `RoutingReporter`'s, delivered late by the
+router forget the others); per request it asks `choose`; then `routed` when a replica accepted it,
+`first_output` at its first token (when the ingress sees the first output) and `completed` when it
+finished. Digests are the real `RoutingReporter`'s, delivered late by the
 fleet's stats delay.
 """
 from __future__ import annotations
@@ -44,12 +45,16 @@ class PagedServeRouter:
     def routed(self, request: Request, replica_id: str) -> None:
         self.state.routed(request.request_id, replica_id)
 
+    def first_token(self, request: Request) -> None:
+        self.state.first_output(request.request_id)
+
     def completed(self, request: Request) -> None:
         self.state.completed(request.request_id)
 
 
 class OracleRouter:
-    """The same policy function fed the truth: each replica's cache and queue as they are now."""
+    """The same policy function fed the truth: each replica's cache and queue as they are now,
+    and the blocks it was missing of each prompt not yet prefilled there."""
 
     name = "oracle"
 
@@ -58,6 +63,9 @@ class OracleRouter:
         self.replicas = replicas
         self.settings = settings or RoutingSettings()
         self.rng = random.Random(seed)
+        self.queued_prefill: dict[str, int] = {}
+        self._matches: dict[str, int] = {}  # the last decision's, for `routed`
+        self._queued: dict[str, int] = {}  # request id -> its blocks in queued_prefill
 
     def update_replicas(self, digests: Mapping[str, dict]) -> None:
         pass
@@ -74,10 +82,17 @@ class OracleRouter:
             while num < limit and hashes[num] in cached:
                 num += 1
             matches[replica_id] = num
-        return choose_replica(hashes[:limit], loads, matches, self.settings, self.rng).ranking()
+        self._matches = matches
+        return choose_replica(hashes[:limit], loads, matches, self.settings, self.rng,
+                              self.queued_prefill).ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
-        pass
+        limit = (request.num_prompt_tokens - 1) // self.replicas[replica_id].settings.block_size
+        blocks = self._queued[request.request_id] = limit - self._matches.get(replica_id, 0)
+        self.queued_prefill[replica_id] = self.queued_prefill.get(replica_id, 0) + blocks
+
+    def first_token(self, request: Request) -> None:
+        self.queued_prefill[request.replica_id] -= self._queued.pop(request.request_id)
 
     def completed(self, request: Request) -> None:
         pass

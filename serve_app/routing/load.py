@@ -13,7 +13,14 @@ with ours (same host, or NTP-close: milliseconds against a one-second period).
 
 Every load is kept current as it changes (`loads`), so a decision reads each replica's load in
 O(1) instead of counting its in-flight requests: at 1,000 replicas of 256 requests each, counting
-was most of the router's time. Pure Python.
+was most of the router's time.
+
+Beside the load, the prompt blocks queued for prefill on each replica (`queued_prefill`): a
+request's blocks that its replica was not expected to hold, from when it is sent until its first
+output (or its end). This count is this router's own, not reported: a new prompt's time to first
+token is the prefill queued ahead of it, which the request count, mostly decoding requests,
+does not show. (A non-streamed request's first output is its last, so it counts as queued until
+it ends.) Pure Python.
 """
 from __future__ import annotations
 
@@ -39,6 +46,10 @@ class LoadTracker:
         self._in_flight: dict[str, dict[str, float]] = {}  # replica -> request id -> sent at
         # request id -> replica, oldest send first: the TTL pops from the front.
         self._replica_of: OrderedDict[str, str] = OrderedDict()
+        # replica -> prompt blocks of the requests sent there whose first output has not come
+        # (their prefill is queued or under way); request id -> its blocks in that count.
+        self.queued_prefill: dict[str, int] = {}
+        self._queued_blocks: dict[str, int] = {}
 
     def report(self, replica_id: str, queue_depth: float, report_time: float) -> None:
         self._reported[replica_id] = queue_depth
@@ -55,14 +66,19 @@ class LoadTracker:
                                                if in_flight else 0)
         self._update(replica_id)
 
-    def sent(self, request_id: str, replica_id: str, now: float) -> str | None:
-        """Count request_id against replica_id; returns the replica it was counted on before, if it
-        moved (a re-route)."""
+    def sent(self, request_id: str, replica_id: str, now: float,
+             prefill_blocks: int = 0) -> str | None:
+        """Count request_id against replica_id, and its `prefill_blocks` (the prompt blocks the
+        replica is not expected to hold) as queued there until `prefilled`; returns the replica it
+        was counted on before, if it moved (a re-route)."""
         previous = self._replica_of.get(request_id)
         if previous == replica_id:
             return None
         if previous is not None:
             self._forget(request_id, previous, finished=False)
+        if prefill_blocks > 0:
+            self._queued_blocks[request_id] = prefill_blocks
+            self.queued_prefill[replica_id] = self.queued_prefill.get(replica_id, 0) + prefill_blocks
         self._in_flight.setdefault(replica_id, {})[request_id] = now
         self._replica_of[request_id] = replica_id
         if now > self._report_time.get(replica_id, _NEVER):
@@ -71,6 +87,12 @@ class LoadTracker:
         if len(self._replica_of) > MAX_IN_FLIGHT:
             self._drop_older_than(now - IN_FLIGHT_TTL_S)
         return previous
+
+    def prefilled(self, request_id: str) -> None:
+        """request_id's first output came: its prompt is no longer queued for prefill."""
+        blocks = self._queued_blocks.pop(request_id, None)
+        if blocks is not None:
+            self.queued_prefill[self._replica_of[request_id]] -= blocks
 
     def completed(self, request_id: str, now: float | None = None) -> None:
         """request_id finished at `now` (None: when is unknown, so no later-arriving report
@@ -95,15 +117,17 @@ class LoadTracker:
         for replica_id in [r for r in self._in_flight if r not in live]:
             for request_id in self._in_flight.pop(replica_id):
                 self._replica_of.pop(request_id, None)
+                self._queued_blocks.pop(request_id, None)
         for replica_id in [r for r in self.loads if r not in live]:
             if self.listener is not None:
                 self.listener(replica_id, 0.0)
         for table in (self._reported, self._report_time, self._finished_since_report,
-                      self._sent_since_report, self._recent_finishes, self.loads):
+                      self._sent_since_report, self._recent_finishes, self.loads, self.queued_prefill):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
     def _forget(self, request_id: str, replica_id: str, finished: bool) -> float:
+        self.prefilled(request_id)
         del self._replica_of[request_id]
         sent_at = self._in_flight[replica_id].pop(request_id)
         report_time = self._report_time.get(replica_id)

@@ -13,7 +13,9 @@ how many leading blocks of the request each replica holds.
    more than `cold_home_max_excess_load` is skipped: misses never pile onto an overloaded replica.
    With `cold_home_pair_slack` set, the home is one of two choices on load, the other drawn at
    random: a home busier than the other by more than the slack yields to it (off by default).
-3. Fallback: power of two choices on load.
+3. Fallback: power of two choices, on the prompt blocks queued for prefill, then on load. A new
+   prompt waits for the prefills queued ahead of it; the request count is mostly decoding
+   requests, and chasing its low spots piles new prompts together.
 
 Ties between equally good replicas go to the lower load, then to the rendezvous winner, so
 decisions are deterministic (except the random pairs: the fallback's, a cold home's if set) and
@@ -60,17 +62,11 @@ class RoutingSettings(BaseModel):
     cold_home_max_excess_load: float | None = Field(8.0, ge=0)
     # Set: a cold home is one of two choices, taken unless another replica drawn at random is less
     # loaded by more than this. None (the default): the home, blind to load within the guard.
-    # Unique prompts and a day of tenants pull opposite ways. bench.fleet nosharing (64 replicas
-    # to 640 req/s, 100 s, seeds 0-2), TTFT p90 against p2c's 0.337 / 0.351 / 0.342 s: these
-    # defaults 0.387 / 0.400 / 0.393 (the guard sends 55 % of the prompts to p2c, and a mix that
-    # chases the least in-flight count piles new prefills together); slack 8 with the guard off
-    # 0.328 / 0.334 / 0.323 at p2c's tokens/s (slack 0: 0.349-0.368, 16: 0.309-0.325). But the
-    # guard helps the llm-d day (`--workload diurnal --duration-s 3600`, seeds 0 / 1): these
-    # defaults 28,649 / 28,274 replica-seconds, 1.18x / 1.18x the ideal; slack 8 with the guard
-    # off 28,301 / 29,525, 1.16x / 1.23x (its capacity at 3 to 5 replicas 10-15 % lower on seed
-    # 0: tenants' contexts scatter); slack 16 with the guard off 29,426 / 29,114. So slack 8
-    # without the guard is for traffic without shared prefixes; the defaults keep the day within
-    # 1.2x of its ideal.
+    # Measured while the fallback's two choices compared loads alone (bench.fleet nosharing, 64
+    # replicas to 640 req/s, seeds 0-2, TTFT p90): the defaults 0.387-0.400 s against p2c's
+    # 0.337-0.351; slack 8 with the guard off 0.323-0.334, but 1.23x the ideal on seed 1 of the
+    # llm-d day (`--workload diurnal --duration-s 3600`; the defaults 1.18x). With the fallback on
+    # queued prefill, the defaults read 0.221-0.233 s there.
     cold_home_pair_slack: float | None = Field(None, ge=0)
     # Leading blocks a replica must hold beyond the replica holding the fewest for affinity to count.
     min_affinity_blocks: int = Field(1, ge=1)
@@ -103,20 +99,24 @@ class Decision:
 
 def choose_replica(block_hashes: Sequence[int], loads: Mapping[str, float],
                    matches: Mapping[str, int], settings: RoutingSettings,
-                   rng: random.Random | None = None) -> Decision:
-    """Rank the live replicas (the keys of `loads`) for one request, given each one's match."""
+                   rng: random.Random | None = None,
+                   queued_prefill: Mapping[str, int] | None = None) -> Decision:
+    """Rank the live replicas (the keys of `loads`) for one request, given each one's match
+    (and the prompt blocks queued for prefill on each, where known)."""
     if not loads:
         raise ValueError("no live replicas to choose from")
     replicas = ReplicaSet(loads, loads)
     matched = [matches.get(r, 0) for r in replicas.ids]
     common = min(matched)
     deeper = {r: m for r, m in zip(replicas.ids, matched) if m > common}
-    return rank_replicas(block_hashes, replicas, PrefixMatch(common, deeper), settings, rng)
+    return rank_replicas(block_hashes, replicas, PrefixMatch(common, deeper), settings, rng,
+                         queued_prefill)
 
 
 def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: PrefixMatch,
-                  settings: RoutingSettings, rng: random.Random | None = None) -> Decision:
-    """The decision, over `replicas` and their `loads` as they are now."""
+                  settings: RoutingSettings, rng: random.Random | None = None,
+                  queued_prefill: Mapping[str, int] | None = None) -> Decision:
+    """The decision, over `replicas` and their `loads` (and `queued_prefill`) as they are now."""
     ids = replicas.ids
     if not ids:
         raise ValueError("no live replicas to choose from")
@@ -168,7 +168,7 @@ def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: Pref
                 return decide(home, COLD_HOME)
             return decide(other, FALLBACK)
 
-    return decide(power_of_two_choices(load_list, rng or random), FALLBACK)
+    return decide(power_of_two_choices(load_list, rng or random, ids, queued_prefill), FALLBACK)
 
 
 def _heaviest(replicas: ReplicaSet, key: int, positions) -> int:
@@ -203,11 +203,18 @@ def _rank_rest(replicas: ReplicaSet, load_list: np.ndarray, common: int, deeper:
     return [ids[i] for i in order.tolist() if i != first]
 
 
-def power_of_two_choices(load_list: Sequence[float], rng) -> int:
-    """The less loaded of two distinct replicas drawn at random (positions in `load_list`)."""
+def power_of_two_choices(load_list: Sequence[float], rng, ids: Sequence[str] = (),
+                         queued_prefill: Mapping[str, int] | None = None) -> int:
+    """Of two distinct replicas drawn at random (positions in `load_list`), the one with fewer
+    prompt blocks queued for prefill (by `ids`, where `queued_prefill` is given), then the less
+    loaded; the first drawn when they tie."""
     if len(load_list) == 1:
         return 0
     a, b = rng.sample(range(len(load_list)), 2)
+    if queued_prefill:
+        queued_a, queued_b = queued_prefill.get(ids[a], 0), queued_prefill.get(ids[b], 0)
+        if queued_a != queued_b:
+            return a if queued_a < queued_b else b
     if load_list[a] == load_list[b]:
         return a
     return a if load_list[a] < load_list[b] else b

@@ -74,7 +74,8 @@ class RouterState:
         burst routed before the next digest sees its own effect."""
         live = self._replica_set(live_replica_ids)
         match = self.index.prefix_match(block_hashes, live.ids_set)
-        decision = rank_replicas(block_hashes, live, match, self.settings, self._rng)
+        decision = rank_replicas(block_hashes, live, match, self.settings, self._rng,
+                                 self.loads.queued_prefill)
         if request_id is not None:
             self._assign(request_id, decision.replica_id, kept_hashes(block_hashes), decision)
         return decision
@@ -89,7 +90,7 @@ class RouterState:
         # The first choice was full and Ray took a lower rank: move our bookkeeping along.
         self.index.remove(choice.replica_id, choice.block_hashes, choice.at)
         self.index.insert(replica_id, choice.block_hashes, self._clock())
-        self.loads.sent(request_id, replica_id, self._clock())
+        self.loads.sent(request_id, replica_id, self._clock(), len(choice.block_hashes))
         return LOAD_OVERRIDE if choice.decision.reason == AFFINITY else FALLBACK
 
     def dispatched(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
@@ -99,9 +100,9 @@ class RouterState:
         when it was counted: for `refused`.)"""
         now = self._clock()
         first = replica_id == decision.replica_id
-        self.index.insert(replica_id, kept_hashes(block_hashes), now,
-                          decision.num_matched_blocks if first else 0)
-        self.loads.sent(request_id, replica_id, now)
+        matched = decision.num_matched_blocks if first else 0
+        self.index.insert(replica_id, kept_hashes(block_hashes), now, matched)
+        self.loads.sent(request_id, replica_id, now, len(block_hashes) - matched)
         if first:
             return decision.reason, now
         return (LOAD_OVERRIDE if decision.reason == AFFINITY else FALLBACK), now
@@ -111,6 +112,10 @@ class RouterState:
         """replica_id did not take a dispatched request: take back what `dispatched` counted."""
         self.index.remove(replica_id, block_hashes, dispatched_at)
         self.loads.completed(request_id, self._clock())
+
+    def first_output(self, request_id: str) -> None:
+        """The request's first output reached the ingress: its prompt is prefilled."""
+        self.loads.prefilled(request_id)
 
     def completed(self, request_id: str) -> None:
         self.loads.completed(request_id, self._clock())
@@ -142,7 +147,8 @@ class RouterState:
         if previous is not None and previous.replica_id != replica_id:
             self.index.remove(previous.replica_id, previous.block_hashes, previous.at)
         self.index.insert(replica_id, block_hashes, now, decision.num_matched_blocks)
-        self.loads.sent(request_id, replica_id, now)
+        self.loads.sent(request_id, replica_id, now,
+                        len(block_hashes) - decision.num_matched_blocks)
         self._unrouted[request_id] = _Choice(replica_id, block_hashes, decision, now)
         if len(self._unrouted) > MAX_UNROUTED:
             horizon = now - UNROUTED_TTL_S

@@ -175,3 +175,40 @@ def test_a_broken_channel_fails_exactly_its_requests_and_a_cancel_is_an_abort():
     assert error.status_code == 503 and "went away" in str(error)
     assert received_by_b[-1] == ["abort", ["on-b"]]
     assert links == {"b": set()}
+
+
+def test_a_prompt_counts_as_queued_for_prefill_on_its_core_until_its_first_output():
+    async def run():
+        core = FakeCore(lambda message: None)  # answers when told, below
+        channels = await connected({"a": core}, ["a"])
+        state = channels.dispatch._router.state
+        s, _ = stream(channels, "r1")
+        primed = asyncio.get_running_loop().create_task(s.prime())
+        for _ in range(200):
+            if core.received:
+                break
+            await asyncio.sleep(0.01)
+        queued_before = dict(state.loads.queued_prefill)
+        core.writers[0].write(wire.frame((wire.STEP, [output("r1", "started", False)], [])))
+        await primed
+        queued_after, load_after = dict(state.loads.queued_prefill), state.load("a")
+        s.cancel()
+        return queued_before, queued_after, load_after
+
+    queued_before, queued_after, load_after = asyncio.run(run())
+    assert queued_before == {"a": 1}  # the request's one block, which no replica was known to hold
+    assert queued_after == {"a": 0} and load_after == 1  # prefilled, still in flight
+
+
+def test_a_first_output_by_ray_is_reported_under_the_calls_id():
+    async def run():
+        channels = await connected({}, ["no-channel-yet"])
+        seen = []
+        channels.dispatch._router.state.first_output = seen.append
+        s, ray_call = stream(channels, "r3")
+        await s.prime()
+        await texts(s)
+        return seen, s.call_id, ray_call
+
+    seen, call_id, ray_call = asyncio.run(run())
+    assert ray_call.calls == 1 and call_id and seen == [call_id]

@@ -83,3 +83,29 @@ def test_requests_never_seen_finishing_are_dropped_eventually(monkeypatch):
         loads.sent(f"old{i}", "r1", now=0.0)
     loads.sent("new", "r1", now=load_module.IN_FLIGHT_TTL_S + 1)
     assert loads.load("r1") == 1
+
+
+def test_queued_prefill_counts_a_prompt_from_its_send_to_its_first_output():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=1.0, prefill_blocks=5)
+    loads.sent("q2", "r1", now=1.1, prefill_blocks=3)
+    loads.sent("q3", "r2", now=1.2)  # every block cached there: nothing queued
+    assert loads.queued_prefill == {"r1": 8}
+    loads.prefilled("q1")
+    loads.prefilled("q1")  # a repeat says nothing new
+    assert loads.queued_prefill == {"r1": 3} and loads.load("r1") == 2  # still in flight
+    loads.completed("q1")
+    assert loads.queued_prefill == {"r1": 3}
+    loads.completed("q2")  # ended with no first output seen (an error, or not streamed)
+    assert loads.queued_prefill == {"r1": 0}
+
+
+def test_queued_prefill_follows_a_reroute_and_forgets_dead_replicas():
+    loads = LoadTracker()
+    loads.sent("q1", "r1", now=1.0, prefill_blocks=4)
+    loads.sent("q1", "r2", now=1.1, prefill_blocks=6)  # the first choice was full
+    assert loads.queued_prefill == {"r1": 0, "r2": 6}
+    loads.retain(["r1"])
+    assert loads.queued_prefill == {"r1": 0}
+    loads.prefilled("q1")  # unknown by now: no error
+    loads.completed("q1")

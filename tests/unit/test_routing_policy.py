@@ -134,6 +134,17 @@ def test_no_full_block_falls_back_to_two_choices_on_load():
     assert choose([], loads, {}).reason == FALLBACK
 
 
+def test_two_choices_go_to_the_fewer_prompt_blocks_queued_for_prefill_before_load():
+    loads = {"r1": 1.0, "r2": 9.0, "r3": 9.0}  # r1: few requests, but a long prompt in prefill
+    queued = {"r1": 120, "r2": 0}  # r3 unknown: none
+    picks = Counter(choose_replica([], loads, {}, SETTINGS, random.Random(s), queued).replica_id
+                    for s in range(30))
+    assert "r1" not in picks and set(picks) == {"r2", "r3"}
+    even = {"r1": 4, "r2": 4, "r3": 4}  # the same queue: load decides
+    assert {choose_replica([], loads, {}, SETTINGS, random.Random(s), even).replica_id
+            for s in range(30)} == {choose([], loads, {}, seed=s).replica_id for s in range(30)}
+
+
 def test_single_replica_and_validation():
     d = choose(A, {"r1": 9.0}, {})
     assert d.ranked == ["r1"]

@@ -172,3 +172,27 @@ def test_a_requests_hashes_are_kept_where_the_garbage_collector_never_scans_them
     state.choose("q1", hashes, ["r1"])
     assert not any(isinstance(r, int) for r in gc.get_referents(state._unrouted["q1"].block_hashes))
     assert state.index.match(hashes, ["r1"]) == {"r1": 450}
+
+
+def test_a_prompt_queues_the_blocks_its_replica_lacks_until_its_first_output():
+    s, clock = state()
+    live = ["r1", "r2"]
+    hashes = block_hashes(prompt(0), BS)  # 9 full blocks
+    s.observe("r1", digest(99.0, hashes[:8]))  # r1 holds the system prompt
+    d = s.choose("q1", hashes, live)
+    assert (d.replica_id, d.reason) == ("r1", AFFINITY)
+    assert s.loads.queued_prefill == {"r1": 1}  # only the block it lacks
+    unique = block_hashes(list(range(7000, 7024)), BS)  # 6 blocks nobody holds
+    busy = s.choose("q2", unique, live).replica_id
+    assert s.loads.queued_prefill[busy] == 6 + (busy == "r1")
+    s.first_output("q1")
+    assert s.loads.queued_prefill[busy] == 6
+    # A replica with a prompt queued loses the two choices to one with more requests, all
+    # decoding: a new prompt would wait for that prefill.
+    s.completed("q1")
+    other = "r2" if busy == "r1" else "r1"
+    s.observe(other, digest(clock.now, running=5))
+    assert (s.load(busy), s.load(other)) == (1, 5)
+    assert s.choose("q3", [], live).replica_id == other
+    s.first_output("q2")
+    assert s.choose("q4", [], live).replica_id == busy  # prefilled: load decides again
