@@ -6,8 +6,7 @@ that changed; when the fleet's routable set changes it retains it (Ray's candida
 replica the handle knows; the fleet offers a retry only those with room, which must not make the
 router forget the others); per request it asks `choose`; then `routed` when a replica accepted it,
 `first_output` at its first token (when the ingress sees the first output) and `completed` when it
-finished. Digests are the real `RoutingReporter`'s, delivered late by the
-fleet's stats delay.
+finished. Digests are the real `RoutingReporter`'s, delivered late by the fleet's stats delay.
 """
 from __future__ import annotations
 

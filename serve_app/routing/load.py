@@ -78,7 +78,8 @@ class LoadTracker:
             self._forget(request_id, previous, finished=False)
         if prefill_blocks > 0:
             self._queued_blocks[request_id] = prefill_blocks
-            self.queued_prefill[replica_id] = self.queued_prefill.get(replica_id, 0) + prefill_blocks
+            queued = self.queued_prefill
+            queued[replica_id] = queued.get(replica_id, 0) + prefill_blocks
         self._in_flight.setdefault(replica_id, {})[request_id] = now
         self._replica_of[request_id] = replica_id
         if now > self._report_time.get(replica_id, _NEVER):
@@ -122,7 +123,8 @@ class LoadTracker:
             if self.listener is not None:
                 self.listener(replica_id, 0.0)
         for table in (self._reported, self._report_time, self._finished_since_report,
-                      self._sent_since_report, self._recent_finishes, self.loads, self.queued_prefill):
+                      self._sent_since_report, self._recent_finishes, self.loads,
+                      self.queued_prefill):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
