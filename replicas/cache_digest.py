@@ -79,6 +79,9 @@ class RoutingReporter:
             "num_waiting": depth.num_waiting,
             "num_running": depth.num_running,
             "kv_cache_usage": depth.kv_cache_usage,
+            # Requests ever received, from every router: a router's share of them is its
+            # ingress's share of the traffic (`serve_app.routing.load`).
+            "num_arrived": stats.get("num_arrived"),
             "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
             # Wall clock of the engine's last sampled token (None: never): the ingress's readiness.
             "last_generation_time": stats.get("last_generation_time"),

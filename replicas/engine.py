@@ -55,6 +55,7 @@ class LLMEngine:
         self.step_load = StepLoad()  # the autoscaler's compute signal
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_arrived = 0  # requests ever added: routers compare their own sends with it
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -124,6 +125,7 @@ class LLMEngine:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        self.num_arrived += 1
         if request.grammar is not None and not request.grammar.done():
             self.requests[request.request_id] = request
             self.pending_grammars.add(request)  # the scheduler sees it once it has compiled
@@ -233,6 +235,7 @@ class LLMEngine:
             "num_running": self.scheduler.num_running,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "num_requests": len(self.requests),
+            "num_arrived": self.num_arrived,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_cache_usage": bm.usage,

@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-stages", type=int, default=WorkloadSettings.num_stages)
     p.add_argument("--tenants", type=int, default=WorkloadSettings.num_tenants)
     p.add_argument("--output-tokens", type=int, default=WorkloadSettings.output_tokens)
+    p.add_argument("--ingresses", type=int, default=FleetSettings.num_ingresses,
+                   help="ingress replicas, each routing with a router of its own (the oracle: one)")
     p.add_argument("--routing-kwargs", type=json.loads, default={},
                    help="request_router_kwargs for pagedserve's router (and the oracle), as JSON")
     p.add_argument("--min-replicas", type=int, default=1)

@@ -18,6 +18,7 @@ from bench.fleet.baselines import (ApproxPrefixRouter, PowerOfTwoRouter, RandomR
                                    RoundRobinRouter)
 from bench.fleet.clock import EventQueue
 from bench.fleet.cost_model import CostModel
+from bench.fleet.ingresses import Ingresses
 from bench.fleet.pagedserve_router import OracleRouter, PagedServeRouter
 from bench.fleet.replica import ReplicaSettings, Request, SimReplica
 from bench.fleet.workloads import Workload
@@ -36,6 +37,9 @@ class FleetSettings:
     max_ongoing_requests: int | None = None  # None: the replica's max_num_seqs, as the app sets it
     max_queued_requests: int = SERVE_DEFAULTS["max_queued_requests"]
     sample_period_s: float = 1.0
+    # Ingress replicas, each with a router of its own (`bench.fleet.ingresses`); the oracle,
+    # which sees every cache, is one whatever this is.
+    num_ingresses: int = 1
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     autoscaler: AutoscalerSettings | None = None
 
@@ -84,6 +88,12 @@ class Fleet:
             self._start_replica(ready=True)
 
     def _make_router(self, name: str, seed: int):
+        num = self.settings.num_ingresses
+        if num <= 1 or name == "oracle":
+            return self._make_one_router(name, seed)
+        return Ingresses([self._make_one_router(name, seed + i) for i in range(num)], seed)
+
+    def _make_one_router(self, name: str, seed: int):
         if name == "pagedserve":
             return PagedServeRouter(self.queue, seed, self.settings.routing,
                                     routable=lambda: self.live)

@@ -126,13 +126,14 @@ class SimReplica:
         self.busy_s = 0.0
         self.step_load = StepLoad()
         self.num_output_tokens = 0
+        self.num_arrived = 0
         self.last_generation_time: float | None = None
 
     # -- what the engine's AsyncEngine offers its deployment ----------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
         return {"num_waiting": self.scheduler.num_waiting, "num_running": self.scheduler.num_running,
-                "max_num_seqs": self.settings.max_num_seqs,
+                "max_num_seqs": self.settings.max_num_seqs, "num_arrived": self.num_arrived,
                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.hit_rate,
                 **autoscaling_inputs(bm, self.step_load, self.queue.now),
                 "last_generation_time": self.last_generation_time}
@@ -150,6 +151,7 @@ class SimReplica:
     # -- the loop -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         request.replica_id = self.replica_id
+        self.num_arrived += 1
         self.scheduler.add(SimSequence(request, self.settings.block_size))
         if not self.busy:
             self.busy = True

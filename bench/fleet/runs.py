@@ -31,6 +31,7 @@ def build(args) -> tuple[costs.CostModel, ReplicaSettings, FleetSettings]:
     settings = FleetSettings(num_replicas=args.replicas, replica=replica,
                              stats_period_s=args.stats_period_s, stats_delay_s=args.stats_delay_s,
                              max_queued_requests=args.max_queued_requests, autoscaler=autoscaler,
+                             num_ingresses=args.ingresses,
                              routing=RoutingSettings(**args.routing_kwargs))
     return model, replica, settings
 

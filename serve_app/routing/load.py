@@ -11,6 +11,10 @@ replica looked idle; and a report that still counts requests which have since fi
 work away from a replica that is in fact free. Report times are the replica's wall clock, compared
 with ours (same host, or NTP-close: milliseconds against a one-second period).
 
+With several ingress replicas, each router sees only its own sends between reports; each of them
+counts as many requests as all routers send for each of its own, its share of the replicas'
+reported arrivals (`send_weight`).
+
 Every load is kept current as it changes (`loads`), so a decision reads each replica's load in
 O(1) instead of counting its in-flight requests: at 1,000 replicas of 256 requests each, counting
 was most of the router's time.
@@ -31,6 +35,13 @@ MAX_IN_FLIGHT = 65536  # past this, requests never seen finishing (cancelled) ar
 IN_FLIGHT_TTL_S = 600.0
 MAX_RECENT_FINISHES = 4096  # per replica, kept for the next report (a few seconds' worth)
 _NEVER = float("-inf")
+# The reports of each replica over which a router's share of its arrivals is measured; the
+# arrivals over them (summed over the replicas) below which the share is too noisy to weigh its
+# sends by; and the most one send may weigh (a router that sent nothing lately has no share to
+# speak of).
+WEIGHING_REPORTS = 5
+MIN_WEIGHING_ARRIVALS = 64
+MAX_SEND_WEIGHT = 64.0
 
 
 class LoadTracker:
@@ -50,8 +61,19 @@ class LoadTracker:
         # (their prefill is queued or under way); request id -> its blocks in that count.
         self.queued_prefill: dict[str, int] = {}
         self._queued_blocks: dict[str, int] = {}
+        # Requests all routers send for each this one sends (see `_weigh_sends`), and what it is
+        # estimated from: replica -> this router's sends there, ever; replica -> (its sends and
+        # the replica's arrivals) at its last reports, and their growth over those reports.
+        self.send_weight = 1.0
+        self._num_sent: dict[str, int] = {}
+        self._arrivals_at_report: dict[str, deque[tuple[int, int]]] = {}
+        self._interval: dict[str, tuple[int, int]] = {}
+        self._interval_sums = [0, 0]  # the intervals' growths summed over the replicas
 
-    def report(self, replica_id: str, queue_depth: float, report_time: float) -> None:
+    def report(self, replica_id: str, queue_depth: float, report_time: float,
+               num_arrived: int | None = None) -> None:
+        """num_arrived: the requests the replica ever received, from every router (None: not
+        reported)."""
         self._reported[replica_id] = queue_depth
         self._report_time[replica_id] = report_time
         recent = self._recent_finishes.get(replica_id)
@@ -64,6 +86,11 @@ class LoadTracker:
         # Once per report, not per decision: which of the requests in flight the report predates.
         self._sent_since_report[replica_id] = (sum(map(report_time.__lt__, in_flight.values()))
                                                if in_flight else 0)
+        if num_arrived is not None:
+            # Ours that reached it by the report: less those sent since, in flight or finished.
+            own = (self._num_sent.get(replica_id, 0) - self._sent_since_report[replica_id]
+                   - (sum(report_time < sent_at for _, sent_at in recent) if recent else 0))
+            self._weigh_sends(replica_id, own, int(num_arrived))
         self._update(replica_id)
 
     def sent(self, request_id: str, replica_id: str, now: float,
@@ -76,12 +103,14 @@ class LoadTracker:
             return None
         if previous is not None:
             self._forget(request_id, previous, finished=False)
+            self._num_sent[previous] -= 1  # it never reached that replica
         if prefill_blocks > 0:
             self._queued_blocks[request_id] = prefill_blocks
             queued = self.queued_prefill
             queued[replica_id] = queued.get(replica_id, 0) + prefill_blocks
         self._in_flight.setdefault(replica_id, {})[request_id] = now
         self._replica_of[request_id] = replica_id
+        self._num_sent[replica_id] = self._num_sent.get(replica_id, 0) + 1
         if now > self._report_time.get(replica_id, _NEVER):
             self._sent_since_report[replica_id] = self._sent_since_report.get(replica_id, 0) + 1
             self._update(replica_id)
@@ -122,9 +151,11 @@ class LoadTracker:
         for replica_id in [r for r in self.loads if r not in live]:
             if self.listener is not None:
                 self.listener(replica_id, 0.0)
+        for replica_id in [r for r in self._interval if r not in live]:
+            self._add_interval(replica_id, None)
         for table in (self._reported, self._report_time, self._finished_since_report,
                       self._sent_since_report, self._recent_finishes, self.loads,
-                      self.queued_prefill):
+                      self.queued_prefill, self._num_sent, self._arrivals_at_report):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
@@ -140,10 +171,43 @@ class LoadTracker:
         self._update(replica_id)
         return sent_at
 
+    def _weigh_sends(self, replica_id: str, own: int, num_arrived: int) -> None:
+        """Several routers (one per ingress replica) send to the same replicas, and each sees
+        only its own sends between reports. A replica's report counts everyone's requests, so
+        this router's share of the arrivals, over each replica's last few reports, says how
+        many requests all routers send for each of its own: its sends since a report count that
+        many times. Counted once, a hot prefix's holders looked idle to every ingress at once
+        between reports, and all of them piled onto it (bench.fleet --ingresses). `own`: this
+        router's sends that reached the replica by its report, `num_arrived` everyone's."""
+        history = self._arrivals_at_report.get(replica_id)
+        if history is None or num_arrived < history[-1][1]:  # the first report, or a restart
+            history = self._arrivals_at_report[replica_id] = deque(maxlen=WEIGHING_REPORTS)
+            self._add_interval(replica_id, None)
+        history.append((own, num_arrived))
+        if len(history) < 2:
+            return
+        self._add_interval(replica_id, (own - history[0][0], num_arrived - history[0][1]))
+        sent, arrived = self._interval_sums
+        if arrived >= MIN_WEIGHING_ARRIVALS:
+            self.send_weight = min(MAX_SEND_WEIGHT, max(1.0, arrived / max(sent, 1)))
+
+    def _add_interval(self, replica_id: str, growth: tuple[int, int] | None) -> None:
+        """replica_id's last interval is now `growth` (None: it is gone)."""
+        sums = self._interval_sums
+        old = self._interval.pop(replica_id, None)
+        if old is not None:
+            sums[0] -= old[0]
+            sums[1] -= old[1]
+        if growth is not None:
+            self._interval[replica_id] = growth
+            sums[0] += growth[0]
+            sums[1] += growth[1]
+
     def _update(self, replica_id: str) -> None:
+        w = self.send_weight
         reported = max(0.0, self._reported.get(replica_id, 0.0)
-                       - self._finished_since_report.get(replica_id, 0))
-        load = self.loads[replica_id] = reported + self._sent_since_report.get(replica_id, 0)
+                       - w * self._finished_since_report.get(replica_id, 0))
+        load = self.loads[replica_id] = reported + w * self._sent_since_report.get(replica_id, 0)
         if self.listener is not None:
             self.listener(replica_id, load)
 

@@ -53,7 +53,8 @@ class RouterState:
             return False
         self._digest_time[replica_id] = report_time
         self.index.observe(replica_id, digest.get("kv_events"), report_time)
-        self.loads.report(replica_id, QueueDepth.from_stats(digest).num_requests, report_time)
+        self.loads.report(replica_id, QueueDepth.from_stats(digest).num_requests, report_time,
+                          digest.get("num_arrived"))
         self.hit_rates[replica_id] = float(digest.get("prefix_cache_hit_rate", 0.0))
         return True
 

@@ -73,6 +73,7 @@ def test_greedy_matches_transformers(model_dir, reference, variant):
     if variant == "default":
         assert stats["prefix_cache_hit_rate"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["num_arrived"] == len(prompts)  # what routers weigh their share by
 
 
 def test_logprobs_match_transformers(model_dir, hf_model):

@@ -47,6 +47,20 @@ def test_pagedserve_sees_digests_and_routes_a_tenant_home():
     assert first_blocks and max(len(homes[h]) for h in first_blocks) < len(f.live)
 
 
+def test_each_ingress_routes_its_share_and_weighs_its_sends_by_it():
+    f = run("pagedserve", num_ingresses=2)
+    routers = f.router.routers
+    sent = [sum(r.state.loads._num_sent.values()) for r in routers]
+    assert len(routers) == 2 and min(sent) > 0.3 * sum(sent)  # requests spread over both
+    for router in routers:
+        assert set(router.state.loads._reported) == set(f.live)  # every digest reached each
+        assert 1.5 < router.state.loads.send_weight < 2.5  # about half the arrivals were its own
+    r = summarize(f, wall_s=0.0)
+    assert r["rejection_rate"] == 0.0 and r["num_first_tokens"] == r["num_requests"]
+    one = run("pagedserve")  # one ingress: its sends are all the arrivals
+    assert one.router.state.loads.send_weight == 1.0
+
+
 def test_a_full_fleet_queues_at_the_handle_then_rejects():
     f = run("p2c", rate=400.0, duration_s=4.0, replicas=1, max_queued_requests=5)
     r = summarize(f, wall_s=0.0)

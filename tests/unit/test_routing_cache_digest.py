@@ -36,8 +36,8 @@ def test_first_digest_snapshots_cached_hashes_including_free_ones():
     snapshot = KVSnapshot(1, block_hashes(list(range(10)), BS))
     assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
                       "kv_events": wire_stream(1, [], snapshot), "num_waiting": 2,
-                      "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5,
-                      "last_generation_time": None}
+                      "num_running": 1, "kv_cache_usage": 0.25, "num_arrived": None,
+                      "prefix_cache_hit_rate": 0.5, "last_generation_time": None}
 
 
 def test_later_digests_carry_events_not_the_cache():
@@ -60,8 +60,10 @@ def test_queue_depth_counts_kv_pressure_as_queued():
 
 def test_stats_for_the_deployment_shim():
     bm = BlockManager(num_blocks=8, block_size=BS)
-    engine = FakeAsyncEngine(bm, {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0})
-    assert RoutingReporter(engine).report()["num_running"] == 2
+    engine = FakeAsyncEngine(bm, {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0,
+                                  "num_arrived": 7})
+    report = RoutingReporter(engine).report()
+    assert (report["num_running"], report["num_arrived"]) == (2, 7)
     assert autoscaling_stats(engine) == {"queue_depth": 1.0}
 
 

@@ -1,4 +1,4 @@
-from serve_app.routing.load import LoadTracker
+from serve_app.routing.load import WEIGHING_REPORTS, LoadTracker
 
 
 def test_load_is_report_plus_sends_since_it():
@@ -109,3 +109,64 @@ def test_queued_prefill_follows_a_reroute_and_forgets_dead_replicas():
     assert loads.queued_prefill == {"r1": 0}
     loads.prefilled("q1")  # unknown by now: no error
     loads.completed("q1")
+
+
+def _sends(loads, replica_id, num, start, prefix):
+    for i in range(num):
+        at = start + i / 1000
+        loads.sent(f"{prefix}{i}", replica_id, now=at)
+        loads.completed(f"{prefix}{i}", now=at + 0.0001)
+
+
+def test_a_router_sending_a_quarter_of_the_arrivals_counts_each_send_four_times():
+    loads = LoadTracker()
+    loads.report("r1", 0, report_time=10.0, num_arrived=100)
+    # Between reports this router sends 20 of the 80 requests r1 received (3 other ingresses).
+    _sends(loads, "r1", 20, 10.1, "a")
+    loads.report("r1", 5, report_time=11.0, num_arrived=180)
+    assert loads.send_weight == 4.0
+    loads.sent("q", "r1", now=11.5)  # one send of ours: about four from everyone
+    assert loads.load("r1") == 5 + 4
+    loads.completed("q", now=11.6)
+    assert loads.load("r1") == 5
+
+
+def test_a_lone_router_counts_its_sends_once():
+    loads = LoadTracker()
+    loads.report("r1", 0, report_time=10.0, num_arrived=0)
+    _sends(loads, "r1", 70, 10.1, "a")
+    loads.sent("late", "r1", now=11.2)  # sent after the report below was taken: not in it
+    loads.report("r1", 1, report_time=11.0, num_arrived=70)
+    assert loads.send_weight == 1.0
+    assert loads.load("r1") == 2
+
+
+def test_the_share_is_measured_over_the_last_few_reports_of_every_replica():
+    loads = LoadTracker()
+    loads.report("r1", 0, report_time=10.0, num_arrived=0)
+    for t in range(11, 11 + WEIGHING_REPORTS - 1):  # half of r1's arrivals are ours
+        _sends(loads, "r1", 20, t - 0.9, f"a{t}-")
+        loads.report("r1", 0, report_time=t, num_arrived=(t - 10) * 40)
+    assert loads.send_weight == 2.0
+    for t in range(15, 15 + WEIGHING_REPORTS - 1):  # now a quarter: the old reports age out
+        _sends(loads, "r1", 10, t - 0.9, f"b{t}-")
+        loads.report("r1", 0, report_time=t, num_arrived=160 + (t - 14) * 40)
+    assert loads.send_weight == 4.0
+
+
+def test_the_send_weight_needs_enough_arrivals_and_survives_a_restart_and_dead_replicas():
+    loads = LoadTracker()
+    loads.report("r1", 0, report_time=10.0, num_arrived=50)
+    loads.report("r2", 0, report_time=10.0, num_arrived=0)
+    _sends(loads, "r1", 2, 10.1, "a")
+    loads.report("r1", 0, report_time=11.0, num_arrived=90)  # 40 arrivals: too few to weigh
+    assert loads.send_weight == 1.0
+    _sends(loads, "r2", 8, 11.1, "b")
+    loads.report("r2", 0, report_time=11.5, num_arrived=40)  # 80 arrivals, 10 of them ours
+    assert loads.send_weight == 8.0
+    loads.report("r1", 0, report_time=12.0, num_arrived=3)  # restarted: its history starts over
+    assert loads._interval_sums == [8, 40] and loads.send_weight == 8.0
+    loads.retain(["r1"])  # r2's interval leaves the sums
+    loads.report("r1", 0, report_time=13.0, num_arrived=5)  # 2 arrivals since the restart
+    assert loads._interval_sums == [0, 2]
+    assert loads.send_weight == 8.0  # too few to weigh again: the last weight stands

@@ -25,13 +25,13 @@ class Clock:
         return self.now
 
 
-def digest(t, hashes=(), waiting=0, running=0, hit_rate=0.0, kv_events=None):
+def digest(t, hashes=(), waiting=0, running=0, hit_rate=0.0, kv_events=None, arrived=None):
     """A digest; by default its stream is a snapshot saying the replica holds exactly `hashes`."""
     if kv_events is None:
         kv_events = wire_stream(0, [], KVSnapshot(0, list(hashes)))
     return {"version": DIGEST_VERSION, "time": t, "block_size": BS, "kv_events": kv_events,
             "num_waiting": waiting, "num_running": running, "kv_cache_usage": 0.0,
-            "prefix_cache_hit_rate": hit_rate}
+            "num_arrived": arrived, "prefix_cache_hit_rate": hit_rate}
 
 
 def state(**settings):
@@ -86,6 +86,26 @@ def test_load_counts_sends_since_the_digest_and_forgets_finished_ones():
     assert (s.load("r1"), s.load("r2")) == (3, 1)
     s.completed("q1")
     assert s.load("r2") == 0
+
+
+def test_other_ingresses_sends_show_in_the_replicas_arrivals_and_weigh_ours():
+    """Two ingress replicas route alike; each sees half the sends. Weighed by its share of the
+    replicas' arrivals, each of its sends since a digest counts twice."""
+    s, clock = state()
+    live = ["r1", "r2"]
+    s.observe("r1", digest(99.0, arrived=0))
+    s.observe("r2", digest(99.0, arrived=0))
+    for i in range(40):  # ours: 40 of the 80 each replica received
+        for replica_id in live:
+            s.choose(f"{replica_id}-{i}", [], live)
+            s.routed(f"{replica_id}-{i}", replica_id)
+            s.completed(f"{replica_id}-{i}")
+    clock.now = 100.5
+    s.observe("r1", digest(100.0, running=3, arrived=80))
+    s.observe("r2", digest(100.0, running=3, arrived=80))
+    assert s.loads.send_weight == 2.0
+    d = s.choose("q", [], live)
+    assert (s.load(d.replica_id), s.load(({*live} - {d.replica_id}).pop())) == (3 + 2, 3)
 
 
 def test_digest_drives_affinity_and_is_replaced_by_the_next():
