@@ -71,7 +71,7 @@ class OracleRouter:
 
     def choose(self, request: Request, live: list[str]) -> list[str]:
         hashes = request.block_hashes
-        limit = (request.num_prompt_tokens - 1) // self.replicas[live[0]].settings.block_size
+        limit = self._prompt_blocks(request, live[0])
         loads, matches = {}, {}
         for replica_id in live:
             replica = self.replicas[replica_id]
@@ -86,8 +86,8 @@ class OracleRouter:
                               self.queued_prefill).ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
-        limit = (request.num_prompt_tokens - 1) // self.replicas[replica_id].settings.block_size
-        blocks = self._queued[request.request_id] = limit - self._matches.get(replica_id, 0)
+        blocks = self._queued[request.request_id] = (self._prompt_blocks(request, replica_id)
+                                                     - self._matches.get(replica_id, 0))
         self.queued_prefill[replica_id] = self.queued_prefill.get(replica_id, 0) + blocks
 
     def first_token(self, request: Request) -> None:
@@ -95,3 +95,7 @@ class OracleRouter:
 
     def completed(self, request: Request) -> None:
         pass
+
+    def _prompt_blocks(self, request: Request, replica_id: str) -> int:
+        """The prompt's full blocks a cache hit can cover (its last token is always computed)."""
+        return (request.num_prompt_tokens - 1) // self.replicas[replica_id].settings.block_size

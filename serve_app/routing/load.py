@@ -87,9 +87,12 @@ class LoadTracker:
         self._sent_since_report[replica_id] = (sum(map(report_time.__lt__, in_flight.values()))
                                                if in_flight else 0)
         if num_arrived is not None:
-            # Ours that reached it by the report: less those sent since, in flight or finished.
+            # Ours that reached it by the report: less those sent since, in flight or finished
+            # (the finishes since it that it did not count).
+            sent_and_finished = (len(recent) - self._finished_since_report[replica_id]
+                                 if recent else 0)
             own = (self._num_sent.get(replica_id, 0) - self._sent_since_report[replica_id]
-                   - (sum(report_time < sent_at for _, sent_at in recent) if recent else 0))
+                   - sent_and_finished)
             self._weigh_sends(replica_id, own, int(num_arrived))
         self._update(replica_id)
 
@@ -192,7 +195,8 @@ class LoadTracker:
             self.send_weight = min(MAX_SEND_WEIGHT, max(1.0, arrived / max(sent, 1)))
 
     def _add_interval(self, replica_id: str, growth: tuple[int, int] | None) -> None:
-        """replica_id's last interval is now `growth` (None: it is gone)."""
+        """replica_id's growth (our sends there and its arrivals) over its last reports is now
+        `growth` (None: it is gone), in `_interval_sums` too."""
         sums = self._interval_sums
         old = self._interval.pop(replica_id, None)
         if old is not None:
