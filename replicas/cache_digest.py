@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from replicas.kv_events import KVEventPublisher
 
@@ -51,6 +51,26 @@ class QueueDepth:
     def from_stats(cls, stats: dict[str, Any]) -> "QueueDepth":
         return cls(int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)),
                    float(stats.get("kv_cache_usage", 0.0)))
+
+
+class StepReport(NamedTuple):
+    """What each engine step's outputs tell the routers of the ingresses they go to (on an
+    engine core's output channels): the replica's queue as of the step's end, milliseconds old
+    where a digest is up to a second old (`serve_app.routing.load`)."""
+    time: float  # the wall clock, as a digest's "time" is
+    num_requests: int  # waiting + running: QueueDepth.num_requests
+    num_arrived: int  # requests ever received, from every router
+    queued_prefill_blocks: int  # Scheduler.queued_prefill_tokens, in blocks
+
+
+def step_report(engine, num_held: int = 0, now: float | None = None) -> StepReport:
+    """`engine` (an LLMEngine, or anything with its `scheduler`, `num_waiting`, `num_arrived` and
+    `block_size`) as of `now` (None: the wall clock's); num_held: requests that wait outside it
+    (the core's)."""
+    scheduler = engine.scheduler
+    return StepReport(time.time() if now is None else now,
+                      engine.num_waiting + num_held + scheduler.num_running, engine.num_arrived,
+                      scheduler.queued_prefill_tokens() // engine.block_size)
 
 
 class RoutingReporter:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 
 from replicas import core_wire as wire
 
@@ -173,7 +174,7 @@ class CoreChannels:
         if sock is None:
             return []
         try:
-            sock.sendall(wire.frame((wire.STEP, [], [(request_id, wire.portable(error))])))
+            sock.sendall(wire.channel_step([], [(request_id, wire.portable(error))]))
         except OSError as exc:
             logger.debug("output channel %s failed: %r", channel_id, exc)
             return self._drop(sock)
@@ -196,12 +197,14 @@ class CoreChannels:
             self.abandoned = []
         return abandoned
 
-    def send(self, outputs: list, errors: list[tuple[str, BaseException]]
+    def send(self, outputs: list, errors: list[tuple[str, BaseException]],
+             step_report: Callable[[], tuple] | None = None
              ) -> tuple[list, list, list[str], list[str]]:
         """Send every routed output of a step, and the errors of requests that came on a
-        channel, to their channel: (the outputs and the errors that stay with the replica, the
-        ids of requests routed here by Ray that finished, the ids of those lost with a subscriber
-        that could not take them)."""
+        channel, to their channel, each frame with the step's `step_report()` (the replica's
+        load for the ingress's router, taken once a step has something to send): (the outputs
+        and the errors that stay with the replica, the ids of requests routed here by Ray that
+        finished, the ids of those lost with a subscriber that could not take them)."""
         if not self._routes:
             return outputs, errors, [], []
         rest, done, by_channel = [], [], {}
@@ -229,10 +232,12 @@ class CoreChannels:
             else:
                 rest_errors.append((request_id, exc))
         lost: list[str] = []
+        # A plain tuple on the wire: a NamedTuple pickles with its class's name.
+        report = tuple(step_report()) if by_channel and step_report is not None else None
         for channel_id, (batch, failed_requests) in by_channel.items():
             sock = self._subscribers[channel_id]
             try:
-                sock.sendall(wire.frame((wire.STEP, batch, failed_requests)))
+                sock.sendall(wire.channel_step(batch, failed_requests, report))
                 self.num_outputs += len(batch)
             except OSError as exc:  # gone, or stalled past SEND_TIMEOUT_S
                 logger.debug("output channel %s failed: %r", channel_id, exc)

@@ -11,8 +11,9 @@ if its loop stops.
 
 An output channel (`replicas/core_channels.py`) is a TCP connection from an ingress replica to
 the core: it opens with a fixed-size hello (the core's token, then the channel's id: plain bytes,
-never a pickle). The core then sends it `STEP` frames (the step's outputs for that ingress, and
-the errors of the requests it sent itself); the ingress may send it requests (`ADD`) and aborts
+never a pickle). The core then sends it `STEP` frames (the step's outputs for that ingress, the
+errors of the requests it sent itself, and the core's queue depth as of the step, for the
+ingress's router); the ingress may send it requests (`ADD`) and aborts
 (`ABORT`) as JSON frames, which the core validates like any input.
 """
 from __future__ import annotations
@@ -37,6 +38,13 @@ CHANNEL_HELLO_SIZE = CHANNEL_TOKEN_BYTES + CHANNEL_ID_BYTES
 def frame(message: tuple) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
+
+
+def channel_step(outputs: list, failures: list, step_report: tuple | None = None) -> bytes:
+    """A core's STEP frame to an output channel: the step's outputs there (`RequestOutput.wire()`
+    values), the errors of requests sent on it (id, error), and the step's report, if any
+    (`replicas.cache_digest.StepReport`, as a plain tuple)."""
+    return frame((STEP, outputs, failures, step_report))
 
 
 def channel_frame(message: list) -> bytes:

@@ -228,10 +228,15 @@ class LLMEngine:
         failures, self.pending_grammars.failures = self.pending_grammars.failures, []
         return failures
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: scheduled or waiting for their grammar."""
+        return self.scheduler.num_waiting + len(self.pending_grammars)
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
-            "num_waiting": self.scheduler.num_waiting + len(self.pending_grammars),
+            "num_waiting": self.num_waiting,
             "num_running": self.scheduler.num_running,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "num_requests": len(self.requests),

@@ -25,7 +25,7 @@ import traceback
 
 from replicas import core_wire as wire
 from replicas import cpu_binding
-from replicas.cache_digest import RoutingReporter
+from replicas.cache_digest import RoutingReporter, StepReport, step_report
 from replicas.config import EngineConfig
 from replicas.core_channels import CoreChannels
 from replicas.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
@@ -124,6 +124,9 @@ class EngineCore:
                 "core_channel_outputs": channels.num_outputs if channels else 0,
                 "core_channel_requests": channels.num_requests if channels else 0,
                 "engine_cpus": self.cpus}
+
+    def _step_report(self) -> StepReport:
+        return step_report(self.engine, len(self._held))
 
     # -- calls the replica makes -----------------------------------------------------------------
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
@@ -296,7 +299,8 @@ class EngineCore:
         done: list[str] = []
         if self.channels is not None:
             errors, self._errors = self._errors, []
-            outputs, self._errors, done, lost = self.channels.send(outputs, errors)
+            outputs, self._errors, done, lost = self.channels.send(outputs, errors,
+                                                                   self._step_report)
             self._lose(lost)
         now = time.monotonic()
         stats = None

@@ -91,6 +91,11 @@ class RequestOutput:
                 self.finished, self.prompt_logprobs, self.num_cached_tokens, self.num_prompt_tokens,
                 self.metrics, self.embedding)
 
+    @staticmethod
+    def finished_on_wire(values: tuple) -> bool:
+        """Whether the output whose wire() values these are is its request's last."""
+        return values[4]
+
     @classmethod
     def from_wire(cls, values: tuple) -> RequestOutput:
         (request_id, prompt, prompt_token_ids, outputs, finished, prompt_logprobs, num_cached_tokens,

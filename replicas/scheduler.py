@@ -77,6 +77,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queued_prefill_tokens(self) -> int:
+        """Tokens still to prefill before the unfinished sequences decode: what a new prompt's
+        first token waits behind. A waiting sequence's whole context (a preempted one's outputs
+        too) less its prefix-cache hit, once admission has found it; a running one's prompt. A
+        step's outputs carry it, so it reads no more than a field or two of each sequence (a
+        running sequence past its prompt decodes, but for the rare one recomputing its outputs
+        after a preemption, which is left out)."""
+        total = 0
+        for seq in self.waiting:
+            computed, cached = seq.num_computed_tokens, seq.num_cached_tokens
+            behind = seq.num_tokens - 1 - (computed if computed > cached else cached)
+            if behind > 0:
+                total += behind
+        for seq in self.running:
+            behind = seq.num_prompt_tokens - 1 - seq.num_computed_tokens
+            if behind > 0:
+                total += behind
+        return total
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         if self.policy == "priority":

@@ -18,17 +18,23 @@ What the Ray call did, the channel does too:
 - errors: the request's own error on the channel; a channel that breaks (the replica died) fails
   exactly the requests sent on it.
 
+And more than the Ray call did: each step's frame carries the core's queue as of that step
+(`replicas.cache_digest.StepReport`: its requests, arrivals and prompt blocks queued for
+prefill), which the router takes as the replica's at once (`observe_step`), instead of guessing
+other ingresses' sends from its own until the next digest, a second later.
+
 A replica with no channel here yet stops the walk down the ranking: the request goes by Ray, to
 that replica, and its reply opens the channel for the requests after it.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from replicas import core_wire
 from replicas.deployment import GenerateRequest
+from replicas.outputs import RequestOutput
 from serve_app.routing import replica_events
 
 
@@ -105,6 +111,20 @@ class CoreDispatch:
         router = self.router() if self.enabled and call_id else None
         if router is not None:
             router.state.first_output(call_id)
+
+    def observe_step(self, replica_id: str, batch: list[tuple], step_report: tuple,
+                     call_of: Mapping[str, str]) -> None:
+        """A core's step as its frame here carries it (`RequestOutput.wire()` values, and its
+        `replicas.cache_digest.StepReport`) to the router: the requests with an output in it
+        and those that finished in it (by the id the router knows each by: Ray's id of the
+        call that carried it, or ours for those sent here), then the report."""
+        router = self.router() if self.enabled else None
+        if router is not None:
+            ids = [call_of.get(values[0], values[0]) for values in batch]
+            finished = RequestOutput.finished_on_wire
+            router.state.observe_step(
+                replica_id, ids, [i for i, values in zip(ids, batch) if finished(values)],
+                step_report)
 
     def sends(self, request: GenerateRequest) -> Iterator[Dispatched]:
         """Send the request to the replicas it ranks first, one at a time: each yielded send

@@ -50,6 +50,7 @@ class OutputChannels:
         self.dispatch = CoreDispatch(self.links, deployment, open_call is not None)
         self._retry_at: dict[str, float] = {}
         self._calls: dict[str, str] = {}  # Ray Serve's internal id of a call -> our request id
+        self._call_of: dict[str, str] = {}  # and back: the id its router knows the request by
         self.retry_after_s = retry_after_s
         self._carries_core = False  # a channel straight to an engine core was opened
         replica_events.on_replica_lost(self._replica_lost)
@@ -66,6 +67,7 @@ class OutputChannels:
 
     def unregister(self, request_id: str, call_id: str | None = None) -> None:
         self._queues.pop(request_id, None)
+        self._call_of.pop(request_id, None)
         if call_id is not None:
             self._calls.pop(call_id, None)
             # Ray Serve does not report the end of every call to the router (a call cancelled
@@ -76,10 +78,13 @@ class OutputChannels:
         """The call carrying request_id: failed here if the router sees its replica die."""
         if call_id:
             self._calls[call_id] = request_id
+            self._call_of[request_id] = call_id
 
     def _replica_lost(self, replica_id: str, call_ids: set[str]) -> None:
         for call_id in call_ids:
-            queue = self._queues.get(self._calls.pop(call_id, ""))
+            request_id = self._calls.pop(call_id, "")
+            self._call_of.pop(request_id, None)
+            queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put(errors.unavailable("the engine replica serving this request died",
                                              self.retry_after_s))
@@ -136,10 +141,12 @@ class OutputChannels:
             link = self.links[replica_id] = CoreLink(replica_id, writer)
             frames = core_wire.FrameReader()
             while data := await reader.read(CORE_READ_SIZE):
-                for _, batch, *failures in frames.feed(data):
+                for _, batch, failures, step_report in frames.feed(data):
                     self._deliver(batch)
-                    if failures and failures[0]:
-                        self._fail(failures[0])
+                    if failures:
+                        self._fail(failures)
+                    if step_report is not None:
+                        self.dispatch.observe_step(replica_id, batch, step_report, self._call_of)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the requests' own calls report the failure

@@ -113,7 +113,8 @@ class Fleet:
         self._next_replica += 1
         self._account()
         self.replicas[replica_id] = SimReplica(replica_id, self.settings.replica, self.cost_model,
-                                               self.queue, self._first_token, self._finished)
+                                               self.queue, self._first_token, self._finished,
+                                               getattr(self.router, "step_outputs", None))
         self.ongoing[replica_id] = 0
         if ready:
             self.live = (*self.live, replica_id)

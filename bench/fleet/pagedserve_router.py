@@ -7,6 +7,9 @@ replica the handle knows; the fleet offers a retry only those with room, which m
 router forget the others); per request it asks `choose`; then `routed` when a replica accepted it,
 `first_output` at its first token (when the ingress sees the first output) and `completed` when it
 finished. Digests are the real `RoutingReporter`'s, delivered late by the fleet's stats delay.
+Each step's outputs reach the ingress with the replica's step report (`observe_step`), as they do
+on an engine core's output channel, before the ingress handles them one by one (every replica
+is taken to have a channel open to every ingress).
 """
 from __future__ import annotations
 
@@ -43,6 +46,18 @@ class PagedServeRouter:
 
     def routed(self, request: Request, replica_id: str) -> None:
         self.state.routed(request.request_id, replica_id)
+
+    def step_outputs(self, replica: SimReplica, sequences: Sequence) -> None:
+        # Of the requests with an output, those with their first: the others' prompts were
+        # already counted off, and a step of a busy replica has hundreds.
+        first, finished = [], []
+        for seq in sequences:
+            request = seq.request
+            if request.first_token_s is None:
+                first.append(request.request_id)
+            if seq.status.is_finished:
+                finished.append(request.request_id)
+        self.state.observe_step(replica.replica_id, first, finished, replica.step_report())
 
     def first_token(self, request: Request) -> None:
         self.state.first_output(request.request_id)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from bench.fleet.clock import EventQueue
 from bench.fleet.cost_model import CostModel
 from replicas.block_manager import BlockManager
-from replicas.cache_digest import RoutingReporter, autoscaling_inputs, autoscaling_stats
+from replicas.cache_digest import (RoutingReporter, StepReport, autoscaling_inputs,
+                                   autoscaling_stats, step_report)
 from replicas.scheduler import Scheduler
 from replicas.sequence import SequenceStatus
 from replicas.step_load import StepLoad
@@ -105,17 +106,21 @@ class ReplicaSettings:
 
 class SimReplica:
     """Steps itself on `queue` while it has work. Callbacks: on_first_token(request) and
-    on_finish(request), at the simulated time they happen."""
+    on_finish(request), at the simulated time they happen; on_outputs(replica, sequences) first,
+    with every sequence that sampled a token in the step (its outputs leave for the ingresses
+    then, with the step's report: `step_report`)."""
 
     def __init__(self, replica_id: str, settings: ReplicaSettings, cost_model: CostModel,
                  queue: EventQueue, on_first_token: Callable[[Request], None],
-                 on_finish: Callable[[Request], None]):
+                 on_finish: Callable[[Request], None],
+                 on_outputs: Callable[["SimReplica", list], None] | None = None):
         self.replica_id = replica_id
         self.settings = settings
         self.cost_model = cost_model
         self.queue = queue
         self.on_first_token = on_first_token
         self.on_finish = on_finish
+        self.on_outputs = on_outputs
         self.block_manager = BlockManager(settings.num_blocks, settings.block_size)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs,
                                    settings.max_num_batched_tokens, settings.max_model_len)
@@ -143,6 +148,18 @@ class SimReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return autoscaling_stats(self)
+
+    def step_report(self) -> StepReport:
+        """What a step's outputs carry to the ingresses' routers, as the engine core's do."""
+        return step_report(self, now=self.queue.now)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
 
     @property
     def num_requests(self) -> int:
@@ -181,6 +198,8 @@ class SimReplica:
         if sampled:
             self.last_generation_time = now
             self.num_output_tokens += len(sampled)
+            if self.on_outputs is not None:
+                self.on_outputs(self, sampled)
         for seq in sampled:
             request = seq.request
             if request.first_token_s is None:

@@ -13,18 +13,24 @@ with ours (same host, or NTP-close: milliseconds against a one-second period).
 
 With several ingress replicas, each router sees only its own sends between reports; each of them
 counts as many requests as all routers send for each of its own, its share of the replicas'
-reported arrivals (`send_weight`).
+reported arrivals (`send_weight`). That guess is right on average but noisy (a few sends a
+second, each counting several times: a replica's load jumped by the weight at every send and every
+end, and the least of many such loads read far too low), so reports also come far more often
+than digests where they can: every engine step whose outputs reach this ingress on a core channel
+carries the replica's queue depth and arrivals (`serve_app.core_dispatch`), and its finished
+requests end here first, as of that report. Whichever report is newest counts; an older one
+that arrives late (a digest through Ray) is ignored.
 
 Every load is kept current as it changes (`loads`), so a decision reads each replica's load in
 O(1) instead of counting its in-flight requests: at 1,000 replicas of 256 requests each, counting
 was most of the router's time.
 
-Beside the load, the prompt blocks queued for prefill on each replica (`queued_prefill`): a
-request's blocks that its replica was not expected to hold, from when it is sent until its first
-output (or its end). This count is this router's own, not reported: a new prompt's time to first
-token is the prefill queued ahead of it, which the request count, mostly decoding requests,
-does not show. (A non-streamed request's first output is its last, so it counts as queued until
-it ends.) Pure Python.
+Beside the load, the prompt blocks queued for prefill on each replica (`queued_prefill`): a new
+prompt's time to first token is the prefill queued ahead of it, which the request count, mostly
+decoding requests, does not show. This router counts its own requests' blocks that their replica
+was not expected to hold, from the send until the first output (or the end: a non-streamed
+request's first output is its last); a step report replaces that with the replica's own count,
+everyone's, plus this router's sends since. Pure Python.
 """
 from __future__ import annotations
 
@@ -42,6 +48,9 @@ _NEVER = float("-inf")
 WEIGHING_REPORTS = 5
 MIN_WEIGHING_ARRIVALS = 64
 MAX_SEND_WEIGHT = 64.0
+# Step reports come every few milliseconds: the share is measured over reports at least this far
+# apart, so that its window spans seconds (digests, a second apart, all count).
+WEIGHING_SPACING_S = 0.5
 
 
 class LoadTracker:
@@ -62,18 +71,22 @@ class LoadTracker:
         self.queued_prefill: dict[str, int] = {}
         self._queued_blocks: dict[str, int] = {}
         # Requests all routers send for each this one sends (see `_weigh_sends`), and what it is
-        # estimated from: replica -> this router's sends there, ever; replica -> (its sends and
-        # the replica's arrivals) at its last reports, and their growth over those reports.
+        # estimated from: replica -> this router's sends there, ever; replica -> (its sends, the
+        # replica's arrivals, the report's time) at its last reports, and their growth over those.
         self.send_weight = 1.0
         self._num_sent: dict[str, int] = {}
-        self._arrivals_at_report: dict[str, deque[tuple[int, int]]] = {}
+        self._arrivals_at_report: dict[str, deque[tuple[int, int, float]]] = {}
         self._interval: dict[str, tuple[int, int]] = {}
         self._interval_sums = [0, 0]  # the intervals' growths summed over the replicas
 
     def report(self, replica_id: str, queue_depth: float, report_time: float,
-               num_arrived: int | None = None) -> None:
-        """num_arrived: the requests the replica ever received, from every router (None: not
-        reported)."""
+               num_arrived: int | None = None, queued_prefill_blocks: int | None = None) -> None:
+        """num_arrived: the requests the replica ever received, from every router;
+        queued_prefill_blocks: the prompt blocks it had still to prefill, everyone's (None: not
+        reported, then this router's own count stands). A report no newer than the last one
+        applied is ignored."""
+        if report_time <= self._report_time.get(replica_id, _NEVER):
+            return
         self._reported[replica_id] = queue_depth
         self._report_time[replica_id] = report_time
         recent = self._recent_finishes.get(replica_id)
@@ -84,8 +97,18 @@ class LoadTracker:
                                                        for _, sent_at in recent) if recent else 0)
         in_flight = self._in_flight.get(replica_id)
         # Once per report, not per decision: which of the requests in flight the report predates.
-        self._sent_since_report[replica_id] = (sum(map(report_time.__lt__, in_flight.values()))
-                                               if in_flight else 0)
+        # Sends are kept in the order they were made, so the newest come last.
+        sent_since = queued_since = 0
+        if in_flight:
+            queued_blocks = self._queued_blocks
+            for request_id, sent_at in reversed(in_flight.items()):
+                if sent_at <= report_time:
+                    break
+                sent_since += 1
+                queued_since += queued_blocks.get(request_id, 0)
+        self._sent_since_report[replica_id] = sent_since
+        if queued_prefill_blocks is not None:  # the report's, and ours that came after it
+            self.queued_prefill[replica_id] = queued_prefill_blocks + queued_since
         if num_arrived is not None:
             # Ours that reached it by the report: less those sent since, in flight or finished
             # (the finishes since it that it did not count).
@@ -93,7 +116,7 @@ class LoadTracker:
                                  if recent else 0)
             own = (self._num_sent.get(replica_id, 0) - self._sent_since_report[replica_id]
                    - sent_and_finished)
-            self._weigh_sends(replica_id, own, int(num_arrived))
+            self._weigh_sends(replica_id, own, int(num_arrived), report_time)
         self._update(replica_id)
 
     def sent(self, request_id: str, replica_id: str, now: float,
@@ -125,7 +148,9 @@ class LoadTracker:
         """request_id's first output came: its prompt is no longer queued for prefill."""
         blocks = self._queued_blocks.pop(request_id, None)
         if blocks is not None:
-            self.queued_prefill[self._replica_of[request_id]] -= blocks
+            queued, replica_id = self.queued_prefill, self._replica_of[request_id]
+            # A report's count may have left it out already (it had prefilled by then).
+            queued[replica_id] = max(0, queued[replica_id] - blocks)
 
     def completed(self, request_id: str, now: float | None = None) -> None:
         """request_id finished at `now` (None: when is unknown, so no later-arriving report
@@ -174,7 +199,8 @@ class LoadTracker:
         self._update(replica_id)
         return sent_at
 
-    def _weigh_sends(self, replica_id: str, own: int, num_arrived: int) -> None:
+    def _weigh_sends(self, replica_id: str, own: int, num_arrived: int,
+                     report_time: float) -> None:
         """Several routers (one per ingress replica) send to the same replicas, and each sees
         only its own sends between reports. A replica's report counts everyone's requests, so
         this router's share of the arrivals, over each replica's last few reports, says how
@@ -186,7 +212,9 @@ class LoadTracker:
         if history is None or num_arrived < history[-1][1]:  # the first report, or a restart
             history = self._arrivals_at_report[replica_id] = deque(maxlen=WEIGHING_REPORTS)
             self._add_interval(replica_id, None)
-        history.append((own, num_arrived))
+        elif report_time - history[-1][2] < WEIGHING_SPACING_S:
+            return
+        history.append((own, num_arrived, report_time))
         if len(history) < 2:
             return
         self._add_interval(replica_id, (own - history[0][0], num_arrived - history[0][1]))

@@ -58,6 +58,24 @@ class RouterState:
         self.hit_rates[replica_id] = float(digest.get("prefix_cache_hit_rate", 0.0))
         return True
 
+    def observe_step(self, replica_id: str, with_output: Iterable[str],
+                     finished: Iterable[str], report: Sequence) -> None:
+        """One engine step of replica_id, as its outputs to this ingress carry it: its requests
+        that had an output in it (so their prompts are prefilled) and those that finished in it
+        (by the ids this router knows them by), then its `replicas.cache_digest.StepReport`. The
+        finished end now, as of the report's time, so that the report's count is not taken
+        from again as each request's stream closes later (once per send's weight: see
+        `LoadTracker`); then the replica's load and prompt blocks queued for prefill are the
+        report's."""
+        loads = self.loads
+        for request_id in with_output:
+            loads.prefilled(request_id)
+        report_time, num_requests, num_arrived, queued_prefill_blocks = report
+        for request_id in finished:
+            loads.completed(request_id, report_time)
+            self._unrouted.pop(request_id, None)
+        loads.report(replica_id, num_requests, report_time, num_arrived, queued_prefill_blocks)
+
     def retain(self, live_replica_ids: Iterable[str]) -> None:
         live = set(live_replica_ids)
         if live == set(self._digest_time) and live >= self.index.replica_ids:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 
@@ -177,7 +178,7 @@ def test_a_connected_channel_carries_the_outputs_and_the_replica_hears_only_the_
         while not (got and got[-1].finished):
             data = await loop.sock_recv(sock, 1 << 16)
             assert data, "the channel closed"
-            got += [RequestOutput.from_wire(v) for _, batch, _ in reader.feed(data) for v in batch
+            got += [RequestOutput.from_wire(v) for _, batch, _, _ in reader.feed(data) for v in batch
                     if v[0] == request_id]
         return got
 
@@ -244,6 +245,7 @@ def test_requests_sent_on_a_channel_come_back_on_it_within_the_replicas_limit(ti
             self.reader = wire.FrameReader()
             self.outputs: dict[str, list[RequestOutput]] = {}
             self.errors: dict[str, BaseException] = {}
+            self.final_reports: dict[str, tuple] = {}  # the step report with a request's end
 
         def add(self, request_id, params, token_ids=prompt):
             self.sock.sendall(wire.channel_add(request_id, token_ids, None, None, params, 0))
@@ -255,10 +257,12 @@ def test_requests_sent_on_a_channel_come_back_on_it_within_the_replicas_limit(ti
                                                      and self.outputs[request_id][-1].finished)):
                 data = await asyncio.wait_for(loop.sock_recv(self.sock, 1 << 16), 30)
                 assert data, "the channel closed"
-                for _, batch, failures in self.reader.feed(data):
+                for _, batch, failures, report in self.reader.feed(data):
                     for values in batch:
                         self.outputs.setdefault(values[0], []).append(
                             RequestOutput.from_wire(values))
+                        if RequestOutput.finished_on_wire(values):
+                            self.final_reports[values[0]] = report
                     self.errors.update(failures)
 
     async def main():
@@ -267,8 +271,10 @@ def test_requests_sent_on_a_channel_come_back_on_it_within_the_replicas_limit(ti
             host, port, token = await client.open_channels("127.0.0.1", max_ongoing_requests=1)
             by_replica = [out async for out in client.generate(prompt, params, "by-replica")]
             channel = Channel(host, port, token)
+            sent_at = time.time()
             channel.add("direct", params)
             await channel.until("direct")
+            assert sent_at <= channel.final_reports["direct"][0] <= time.time()
             # One request held: a second is refused, and goes elsewhere.
             channel.add("long", params.clone(max_tokens=200))
             channel.add("second", params)
@@ -293,6 +299,9 @@ def test_requests_sent_on_a_channel_come_back_on_it_within_the_replicas_limit(ti
     by_replica, channel, late, stats = asyncio.run(main())
     tokens = lambda outs: [t for o in outs for c in o.outputs for t in c.token_ids]  # noqa: E731
     assert tokens(channel.outputs["direct"]) == tokens(by_replica) and len(tokens(by_replica)) == 12
+    # Its last step's report, for the ingress's router: none left waiting or running (it has
+    # finished), two arrived (it and the one by the replica), nothing left to prefill.
+    assert channel.final_reports["direct"][1:] == (0, 2, 0)
     assert isinstance(channel.errors["second"], wire.CoreRefused)
     assert channel.errors["second"].reason == "full"
     assert "long" not in channel.errors and not channel.outputs["long"][-1].finished
@@ -349,7 +358,7 @@ def test_past_the_limit_requests_by_the_replica_wait_in_order_and_channels_are_r
             reader, refusals = wire.FrameReader(), {}
             while not refusals:
                 data = await asyncio.get_running_loop().run_in_executor(None, sock.recv, 1 << 16)
-                for _, _, failures in reader.feed(data):
+                for _, _, failures, _ in reader.feed(data):
                     refusals.update(failures)
             await asyncio.gather(first, second)
             sock.close()

@@ -5,6 +5,7 @@ exactly its requests, a cancel sent as an abort; the router counts each where it
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -49,7 +50,7 @@ class FakeCore:
                 self.received.append(message)
                 reply = self.answer(message)
                 if reply is not None:
-                    writer.write(wire.frame(reply))
+                    writer.write(reply)
 
     def hang_up(self) -> None:
         for writer in self.writers:
@@ -58,15 +59,15 @@ class FakeCore:
 
 
 def refuse(message):
-    return (wire.STEP, [], [(message[1], wire.CoreRefused("full"))]) if message[0] == "add" else None
+    return wire.channel_step([], [(message[1], wire.CoreRefused("full"))]) if message[0] == "add" else None
 
 
 def serve(message):
-    return (wire.STEP, [output(message[1], "from the core", True)], []) if message[0] == "add" else None
+    return wire.channel_step([output(message[1], "from the core", True)], []) if message[0] == "add" else None
 
 
 def hold(message):
-    return (wire.STEP, [output(message[1], "started", False)], []) if message[0] == "add" else None
+    return wire.channel_step([output(message[1], "started", False)], []) if message[0] == "add" else None
 
 
 class RankingRouter:
@@ -189,7 +190,7 @@ def test_a_prompt_counts_as_queued_for_prefill_on_its_core_until_its_first_outpu
                 break
             await asyncio.sleep(0.01)
         queued_before = dict(state.loads.queued_prefill)
-        core.writers[0].write(wire.frame((wire.STEP, [output("r1", "started", False)], [])))
+        core.writers[0].write(wire.channel_step([output("r1", "started", False)], []))
         await primed
         queued_after, load_after = dict(state.loads.queued_prefill), state.load("a")
         s.cancel()
@@ -212,3 +213,30 @@ def test_a_first_output_by_ray_is_reported_under_the_calls_id():
 
     seen, call_id, ray_call = asyncio.run(run())
     assert ray_call.calls == 1 and call_id and seen == [call_id]
+
+
+def test_a_cores_step_report_ends_the_requests_it_finished_and_sets_the_replicas_load():
+    """A frame's step report reaches the router before the request's stream closes: the request
+    that finished in that step ends as of it, and the replica's load is the reported one (other
+    ingresses' requests included) from then on."""
+    async def run():
+        core = FakeCore(lambda message: None)  # answers when told, below
+        channels = await connected({"a": core}, ["a"])
+        state = channels.dispatch._router.state
+        s, _ = stream(channels, "r1")
+        primed = asyncio.get_running_loop().create_task(s.prime())
+        for _ in range(200):
+            if core.received:
+                break
+            await asyncio.sleep(0.01)
+        sent_load = state.load("a")
+        report = (time.time(), 3, 7, 0)  # three requests of other ingresses still there
+        core.writers[0].write(wire.channel_step([output("r1", "done", True)], [], report))
+        await primed
+        reported_load = state.load("a")
+        got = await texts(s)
+        return sent_load, reported_load, state.load("a"), got
+
+    sent_load, reported_load, final_load, got = asyncio.run(run())
+    assert sent_load == 1 and got == ["done"]
+    assert reported_load == 3 and final_load == 3  # its end took nothing off the report again

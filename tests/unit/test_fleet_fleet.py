@@ -61,6 +61,28 @@ def test_each_ingress_routes_its_share_and_weighs_its_sends_by_it():
     assert one.router.state.loads.send_weight == 1.0
 
 
+def test_each_ingress_hears_the_step_reports_of_the_replicas_running_its_requests(monkeypatch):
+    """A step's outputs go to the ingresses of their requests, each with the step's report, as
+    on the engine cores' output channels: each router hears its own requests finish there and
+    reads the replicas' loads as of their last step, not their last digest."""
+    from serve_app.routing.router_state import RouterState
+    heard = []
+    observe_step = RouterState.observe_step
+
+    def spy(self, replica_id, with_output, finished, report):
+        heard.append((self, list(finished)))
+        observe_step(self, replica_id, with_output, finished, report)
+
+    monkeypatch.setattr(RouterState, "observe_step", spy)
+    f = run("pagedserve", num_ingresses=2)
+    states = [router.state for router in f.router.routers]
+    finished_at = {state: {r for s, ids in heard if s is state for r in ids} for state in states}
+    assert all(finished_at.values()) and not set.intersection(*finished_at.values())
+    assert len(heard) > 20 * 20 * len(f.live)  # a report with each step, not once a second
+    for state in states:  # the last report applied: a step's (digests are taken each second)
+        assert any(t % f.settings.stats_period_s for t in state.loads._report_time.values())
+
+
 def test_a_full_fleet_queues_at_the_handle_then_rejects():
     f = run("p2c", rate=400.0, duration_s=4.0, replicas=1, max_queued_requests=5)
     r = summarize(f, wall_s=0.0)

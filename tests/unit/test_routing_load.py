@@ -1,4 +1,4 @@
-from serve_app.routing.load import WEIGHING_REPORTS, LoadTracker
+from serve_app.routing.load import WEIGHING_REPORTS, WEIGHING_SPACING_S, LoadTracker
 
 
 def test_load_is_report_plus_sends_since_it():
@@ -100,6 +100,24 @@ def test_queued_prefill_counts_a_prompt_from_its_send_to_its_first_output():
     assert loads.queued_prefill == {"r1": 0}
 
 
+def test_a_reported_prefill_queue_is_everyones_plus_our_sends_since():
+    """A step report counts the prompt blocks the replica still has to prefill, other ingresses'
+    included; this router adds its own sent after the report was taken."""
+    loads = LoadTracker()
+    loads.sent("before", "r1", now=1.0, prefill_blocks=5)
+    loads.sent("after", "r1", now=2.5, prefill_blocks=3)
+    loads.report("r1", 4, report_time=2.0, queued_prefill_blocks=40)
+    assert loads.queued_prefill == {"r1": 43}
+    loads.prefilled("before")  # its first output: its blocks were in the report's count
+    assert loads.queued_prefill == {"r1": 38}
+    loads.report("r1", 4, report_time=3.0, queued_prefill_blocks=2)  # "after" is in it now
+    assert loads.queued_prefill == {"r1": 2}
+    loads.prefilled("after")  # never below nothing
+    assert loads.queued_prefill == {"r1": 0}
+    loads.report("r1", 4, report_time=4.0)  # a digest: no count of it, ours stands
+    assert loads.queued_prefill == {"r1": 0}
+
+
 def test_queued_prefill_follows_a_reroute_and_forgets_dead_replicas():
     loads = LoadTracker()
     loads.sent("q1", "r1", now=1.0, prefill_blocks=4)
@@ -170,3 +188,28 @@ def test_the_send_weight_needs_enough_arrivals_and_survives_a_restart_and_dead_r
     loads.report("r1", 0, report_time=13.0, num_arrived=5)  # 2 arrivals since the restart
     assert loads._interval_sums == [0, 2]
     assert loads.send_weight == 8.0  # too few to weigh again: the last weight stands
+
+
+def test_a_report_older_than_the_last_one_applied_is_ignored():
+    """A step's report (on a core channel, milliseconds old) comes before the digest taken
+    earlier (through Ray, a fraction of a second late): the digest must not undo it."""
+    loads = LoadTracker()
+    loads.report("r1", 2, report_time=11.0)
+    loads.report("r1", 7, report_time=10.8)
+    assert loads.load("r1") == 2
+
+
+def test_step_reports_weigh_the_share_over_seconds_not_over_their_last_few():
+    """Reports every 10 ms, a quarter of the arrivals ours: weighed over the last five reports
+    (40 ms, about 2 arrivals) the share never had enough arrivals to count."""
+    loads = LoadTracker()
+    arrived = sent = 0
+    for step in range(1, 501):  # 5 s of steps, 40 arrivals a second, 10 of them ours
+        t = 10.0 + step / 100
+        if step % 10 == 0:
+            loads.sent(f"q{step}", "r1", now=t - 0.005)
+            sent += 1
+        arrived = step * 40 // 100
+        loads.report("r1", 0, report_time=t, num_arrived=max(arrived, sent))
+    assert WEIGHING_SPACING_S * (WEIGHING_REPORTS - 1) * 40 >= 64  # the window holds enough
+    assert 3.5 <= loads.send_weight <= 4.5

@@ -216,3 +216,47 @@ def test_a_prompt_queues_the_blocks_its_replica_lacks_until_its_first_output():
     assert s.choose("q3", [], live).replica_id == other
     s.first_output("q2")
     assert s.choose("q4", [], live).replica_id == busy  # prefilled: load decides again
+
+
+def test_a_steps_report_ends_its_finished_requests_then_counts_its_load():
+    """Each engine step's outputs bring the replica's queue depth as of the step: it replaces the
+    projection from the last digest, and the requests that finished in that step end as of it,
+    so that their streams closing later take nothing off a count that no longer holds them."""
+    s, clock = state()
+    s.observe("r1", digest(100.0, arrived=0))
+    s.observe("r2", digest(100.0, arrived=0))
+    s.loads.send_weight = 4.0  # three other ingresses send as much as this one
+    clock.now = 100.2
+    for request_id in ("q1", "q2"):
+        s.choose(request_id, [], ["r1"])
+        s.routed(request_id, "r1")
+    assert s.load("r1") == 8  # two sends, about eight from every ingress
+    s.observe_step("r1", ["q1", "q2"], ["q1"], (100.3, 5, 6, 0))
+    assert s.load("r1") == 5
+    clock.now = 100.35
+    s.completed("q1")  # its stream closes: the report already took it off
+    assert s.load("r1") == 5
+    s.observe("r1", digest(100.25, running=9, arrived=5))  # taken before that step: late
+    assert s.load("r1") == 5
+    s.choose("q3", [], ["r1"])
+    s.routed("q3", "r1")
+    assert s.load("r1") == 5 + 4
+    s.observe_step("r1", [], [], (100.4, 6, 7, 0))
+    assert s.load("r1") == 6
+
+
+def test_a_steps_report_brings_the_replicas_prefill_queue_and_its_outputs_end_ours():
+    s, clock = state()
+    live = ["r1", "r2"]
+    prompt_hashes = block_hashes(list(range(40)), BS)  # 10 blocks nobody holds
+    for replica_id in live:
+        s.observe(replica_id, digest(100.0))
+    clock.now = 100.2
+    d = s.choose("q1", prompt_hashes, live)
+    s.routed("q1", d.replica_id)
+    assert s.loads.queued_prefill[d.replica_id] == 10
+    # The replica's next step: q1 had its first output; other ingresses' prompts wait there.
+    s.observe_step(d.replica_id, ["q1"], [], (100.3, 3, 3, 25))
+    assert s.loads.queued_prefill[d.replica_id] == 25
+    s.first_output("q1")  # its stream's first output, later: already counted off
+    assert s.loads.queued_prefill[d.replica_id] == 25

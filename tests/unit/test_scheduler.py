@@ -63,6 +63,23 @@ def test_decodes_and_prefill_chunk_share_a_step():
     assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 9)]
 
 
+def test_queued_prefill_counts_what_is_left_of_each_prompt_less_its_cache_hit():
+    sched, _ = make(budget=8)
+    a = seq(20)
+    sched.add(a)
+    assert sched.queued_prefill_tokens() == 19  # its last token is computed with the first decode
+    sched.update(sched.schedule(), [])  # a chunk of 8
+    assert sched.queued_prefill_tokens() == 11
+    sched.update(sched.schedule(), [])
+    sched.update(sched.schedule(), [5])  # the last chunk samples the first token
+    assert sched.queued_prefill_tokens() == 0  # decoding
+    b = seq(12)  # the same first 12 tokens: two of its three full blocks hit the cache...
+    sched.add(b)
+    assert sched.queued_prefill_tokens() == 11  # ...which waiting, it does not know yet
+    sched.update(sched.schedule(), [5, 5])  # a decodes; b is admitted, its hit found
+    assert b.num_cached_tokens == 8 and sched.queued_prefill_tokens() == 0
+
+
 def test_without_chunking_a_long_prompt_waits_for_budget():
     sched, _ = make(budget=16, chunked=False, max_len=16)
     a, b = seq(10), seq(10, start=100)
