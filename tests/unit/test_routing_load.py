@@ -102,8 +102,14 @@ def test_queued_prefill_counts_a_prompt_from_its_send_to_its_first_output():
 
 def test_a_reported_prefill_queue_is_everyones_plus_our_sends_since():
     """A step report counts the prompt blocks the replica still has to prefill, other ingresses'
-    included; this router adds its own sent after the report was taken."""
+    included; this router adds its own sent after the report was taken. Alone, it keeps its own
+    count."""
+    alone = LoadTracker()
+    alone.sent("q", "r1", now=1.0, prefill_blocks=5)
+    alone.report("r1", 1, report_time=2.0, queued_prefill_blocks=40)
+    assert alone.queued_prefill == {"r1": 5}
     loads = LoadTracker()
+    loads.send_weight = 2.0  # another ingress sends as much as this one
     loads.sent("before", "r1", now=1.0, prefill_blocks=5)
     loads.sent("after", "r1", now=2.5, prefill_blocks=3)
     loads.report("r1", 4, report_time=2.0, queued_prefill_blocks=40)

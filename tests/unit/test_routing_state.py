@@ -251,6 +251,7 @@ def test_a_steps_report_brings_the_replicas_prefill_queue_and_its_outputs_end_ou
     prompt_hashes = block_hashes(list(range(40)), BS)  # 10 blocks nobody holds
     for replica_id in live:
         s.observe(replica_id, digest(100.0))
+    s.loads.send_weight = 2.0  # another ingress sends as much as this one
     clock.now = 100.2
     d = s.choose("q1", prompt_hashes, live)
     s.routed("q1", d.replica_id)
