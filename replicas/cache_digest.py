@@ -57,7 +57,7 @@ class StepReport(NamedTuple):
     """What each engine step's outputs tell the routers of the ingresses they go to (on an
     engine core's output channels): the replica's queue as of the step's end, milliseconds old
     where a digest is up to a second old (`serve_app.routing.load`)."""
-    time: float  # the wall clock, as a digest's "time" is
+    time: float  # the wall clock (as a digest's "time" is) when the counts below were closed
     num_requests: int  # waiting + running: QueueDepth.num_requests
     num_arrived: int  # requests ever received, from every router
     queued_prefill_blocks: int  # Scheduler.queued_prefill_tokens, in blocks

@@ -94,6 +94,7 @@ class EngineCore:
         self.cpus = _bind(config, self.engine)
         self.last_generation_time: float | None = None
         self._held: dict[str, tuple] = {}  # ADDs from the replica past max_ongoing_requests
+        self._intake_time = time.time()  # when the loop last took in what was sent to it
         self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
         self._errors: list[tuple[str, BaseException]] = []
         self._failures = 0
@@ -126,7 +127,9 @@ class EngineCore:
                 "engine_cpus": self.cpus}
 
     def _step_report(self) -> StepReport:
-        return step_report(self.engine, len(self._held))
+        # As of the intake before the step: a request an ingress sent during the step waits in
+        # the socket, out of the count, and must read as sent after the report.
+        return step_report(self.engine, len(self._held), now=self._intake_time)
 
     # -- calls the replica makes -----------------------------------------------------------------
     def call_routing_report(self, force_snapshot: bool = False) -> dict:
@@ -155,6 +158,7 @@ class EngineCore:
             idle = not (engine.has_unfinished_requests() or self._errors or self._held)
             messages = conn.receive(wait=idle, channels=self.channels,
                                     wait_s=IDLE_STATS_PERIOD_S if self._stats_fading else None)
+            self._intake_time = time.time()  # what came before this is in the engine's count
             if messages is None:
                 return
             if idle and self._stats_fading:
