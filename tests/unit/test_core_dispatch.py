@@ -178,17 +178,23 @@ def test_a_broken_channel_fails_exactly_its_requests_and_a_cancel_is_an_abort():
     assert links == {"b": set()}
 
 
+async def sent_to_a_silent_core(request_id: str):
+    """A request sent on the channel of core "a", which answers only when the test writes to it:
+    (the core, the router's state, the request's stream, its priming task)."""
+    core = FakeCore(lambda message: None)
+    channels = await connected({"a": core}, ["a"])
+    s, _ = stream(channels, request_id)
+    primed = asyncio.get_running_loop().create_task(s.prime())
+    for _ in range(200):
+        if core.received:
+            break
+        await asyncio.sleep(0.01)
+    return core, channels.dispatch._router.state, s, primed
+
+
 def test_a_prompt_counts_as_queued_for_prefill_on_its_core_until_its_first_output():
     async def run():
-        core = FakeCore(lambda message: None)  # answers when told, below
-        channels = await connected({"a": core}, ["a"])
-        state = channels.dispatch._router.state
-        s, _ = stream(channels, "r1")
-        primed = asyncio.get_running_loop().create_task(s.prime())
-        for _ in range(200):
-            if core.received:
-                break
-            await asyncio.sleep(0.01)
+        core, state, s, primed = await sent_to_a_silent_core("r1")
         queued_before = dict(state.loads.queued_prefill)
         core.writers[0].write(wire.channel_step([output("r1", "started", False)], []))
         await primed
@@ -220,15 +226,7 @@ def test_a_cores_step_report_ends_the_requests_it_finished_and_sets_the_replicas
     that finished in that step ends as of it, and the replica's load is the reported one (other
     ingresses' requests included) from then on."""
     async def run():
-        core = FakeCore(lambda message: None)  # answers when told, below
-        channels = await connected({"a": core}, ["a"])
-        state = channels.dispatch._router.state
-        s, _ = stream(channels, "r1")
-        primed = asyncio.get_running_loop().create_task(s.prime())
-        for _ in range(200):
-            if core.received:
-                break
-            await asyncio.sleep(0.01)
+        core, state, s, primed = await sent_to_a_silent_core("r1")
         sent_load = state.load("a")
         report = (time.time(), 3, 7, 0)  # three requests of other ingresses still there
         core.writers[0].write(wire.channel_step([output("r1", "done", True)], [], report))
