@@ -41,9 +41,24 @@ def test_allocate_exact_block_ids_and_free_order():
     bm.free(a)
     # The partial (unhashed) block 2 goes to the head for reuse; the full hashed blocks go to the
     # tail, last block first, so a prefix's head outlives its tail.
-    assert list(bm.free_queue) == [2, 5, 6, 7, 1, 0]
+    assert bm.free_block_ids() == [2, 5, 6, 7, 1, 0]
     assert bm.num_free_blocks == 6
 
+
+
+def test_a_block_is_made_when_first_taken():
+    # A cache the size of a GPU's (or a thousand simulated replicas' caches) costs nothing to
+    # build; blocks are taken in id order as before, and a freed one comes back before the blocks
+    # never taken only if it has no hash to keep.
+    bm = BlockManager(num_blocks=100_000, block_size=BS)
+    assert bm.blocks == [] and bm.num_free_blocks == bm.num_blocks == 100_000
+    a, b = seq(range(10)), seq(range(100, 105))
+    admit(bm, a)
+    admit(bm, b)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4] and len(bm.blocks) == 5
+    bm.free(a)
+    assert bm.free_block_ids()[:2] == [2, 5] and bm.free_block_ids()[-2:] == [1, 0]
+    assert bm.num_free_blocks == 100_000 - 2
 
 def test_prefix_hit_reuses_blocks_and_rechecks_tokens():
     bm = BlockManager(num_blocks=8, block_size=BS)
@@ -69,7 +84,7 @@ def test_lru_eviction_order_and_events():
     admit(bm, a)
     bm.free(a)
     assert bm.kv_events.since(0) == [BlockStored(a.block_hashes, None)]  # one run, from the root
-    assert list(bm.free_queue) == [2, 3, 1, 0]
+    assert bm.free_block_ids() == [2, 3, 1, 0]
     b = seq(range(50, 59))  # needs 3 blocks: takes 2, 3 (never cached) then evicts 1 (a's tail)
     admit(bm, b)
     assert b.block_table == [2, 3, 1]
@@ -219,7 +234,7 @@ def test_kv_window_of_layers():
 
 def test_null_block_is_reserved():
     bm = windowed(num_blocks=8)
-    assert NULL_BLOCK not in bm.free_queue and bm.num_blocks == 7 == bm.num_free_blocks
+    assert NULL_BLOCK not in bm.free_block_ids() and bm.num_blocks == 7 == bm.num_free_blocks
     a = seq(range(10))
     admit(bm, a)
     assert a.block_table == [1, 2, 3] and abs(bm.usage - 3 / 7) < 1e-12
@@ -231,7 +246,7 @@ def test_blocks_outside_the_window_are_dropped():
     admit(bm, a)
     step(bm, a)  # computes position 10, which reads 5..10: block 0 (0..3) goes
     assert a.block_table == [NULL_BLOCK, 2, 3]
-    assert bm.blocks[1].ref_count == 0 and list(bm.free_queue)[-1] == 1  # cached, at the LRU tail
+    assert bm.blocks[1].ref_count == 0 and bm.free_block_ids()[-1] == 1  # cached, at the LRU tail
     assert bm.cached[a.block_hashes[0]] == 1  # still a valid cache entry
     step(bm, a)  # position 11 reads 6..11: block 1 (4..7) stays
     assert a.block_table == [NULL_BLOCK, 2, 3]
@@ -239,7 +254,7 @@ def test_blocks_outside_the_window_are_dropped():
     step(bm, a)  # position 13 reads 8..13: block 1 goes
     assert a.block_table == [NULL_BLOCK, NULL_BLOCK, 3, 4]
     bm.free(a)
-    assert bm.num_free_blocks == bm.num_blocks and NULL_BLOCK not in bm.free_queue
+    assert bm.num_free_blocks == bm.num_blocks and NULL_BLOCK not in bm.free_block_ids()
     assert bm.blocks[NULL_BLOCK].ref_count == 1 and bm.blocks[NULL_BLOCK].block_hash is None
 
 
@@ -293,7 +308,7 @@ def test_windowed_hit_needs_only_the_window():
     assert bm.allocate_slots(b, 1, blocks)
     b.num_computed_tokens = 21
     assert b.block_table[:3] == [NULL_BLOCK] * 3 and bm.num_dropped[b.seq_id] == 3
-    assert bm.blocks[NULL_BLOCK].block_hash is None and NULL_BLOCK not in bm.free_queue
+    assert bm.blocks[NULL_BLOCK].block_hash is None and NULL_BLOCK not in bm.free_block_ids()
     step(bm, b)
     bm.free(b)
     assert bm.num_free_blocks == bm.num_blocks
@@ -322,7 +337,7 @@ def test_dropped_then_reused_blocks_never_hit():
     for _ in range(6):
         step(bm, a)  # position 13 drops block 0 (1) and block 1 (2): both cached and free
     assert a.block_table[:2] == [NULL_BLOCK, NULL_BLOCK]
-    assert list(bm.free_queue) == [1, 2]  # a's dropped blocks, still cached
+    assert bm.free_block_ids() == [1, 2]  # a's dropped blocks, still cached
     c = seq(range(100, 107))  # needs two blocks: evicts both and writes its own tokens there
     admit(bm, c)
     assert c.block_table == [1, 2]
