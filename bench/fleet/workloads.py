@@ -89,7 +89,7 @@ class Workload:
         return self._single_turn()
 
     def _hashes(self, num: int) -> list[int]:
-        return [next(self._next_hash) for _ in range(num)]
+        return list(itertools.islice(self._next_hash, num))
 
     def _request(self, t: float, num_prompt_tokens: int, max_tokens: int,
                  block_hashes: list[int]) -> Request:

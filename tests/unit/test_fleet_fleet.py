@@ -1,4 +1,7 @@
 """bench.fleet.fleet: routers on a small simulated fleet, the handle's limits, the autoscaler."""
+import gc
+import weakref
+
 import pytest
 
 from bench.fleet.autoscaler import AutoscalerSettings
@@ -32,6 +35,27 @@ def test_every_router_serves_the_same_stream_and_the_prefix_routers_hit_more():
         assert r["replica_seconds"] == pytest.approx(4 * 20.0)
     assert results["pagedserve"]["hit_rate"] > results["p2c"]["hit_rate"] + 0.2
     assert results["oracle"]["hit_rate"] > results["random"]["hit_rate"] + 0.2
+
+
+
+def test_a_run_makes_no_full_collections_and_first_frees_the_last_runs_fleet():
+    enabled = gc.isenabled()
+    gc.disable()  # no collections but the run's own
+    try:
+        first = weakref.ref(run("pagedserve", duration_s=5.0))
+        assert first() is not None  # a cycle (its replicas call back into it): refcounts keep it
+        f = Fleet("p2c", Workload("llmd", WorkloadSettings(rate=5.0, duration_s=2.0), seed=0),
+                  MODEL, FleetSettings(num_replicas=2, replica=REPLICA), seed=0)
+        during = []
+        f.queue.at(1.0, lambda: during.append(gc.get_threshold()))
+        before = gc.get_threshold()
+        f.run()
+        assert first() is None  # freed by the collection the run began with
+        assert during[0][:2] == before[:2] and during[0][2] >= 1 << 30  # no full ones in it
+        assert gc.get_threshold() == before
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_pagedserve_sees_digests_and_routes_a_tenant_home():
