@@ -1,7 +1,8 @@
 """Output channels and coalesced streams over real Ray Serve and HTTP.
 
-The app here paces as hard as it can (max_stream_delay_s between a stream's events), so every stream
-carries several tokens per event; its engine is slowed so that a replica can be killed mid-stream.
+The app here paces as hard as it can (a stream's events at most max_stream_delay_s apart: 200 ms
+here rather than the default 20, so that steps slowed by a busy machine still leave several tokens
+to each event); its engine is slowed so that a replica can be killed mid-stream.
 It serves HTTP from its ingress (direct_http), the path `serve run serve_app:app` takes. Every test
 runs twice: with the engine in an engine core process (channels straight to the core, the
 default) and in the replica's process (channels as Ray calls).
@@ -25,7 +26,8 @@ PREFIX = "/channels"
 def coalesced(request, cluster, tiny_model_dir):
     port = free_port()
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5,
-                max_stream_events_per_s=1, health_check_period_s=1.0, direct_http=True, port=port,
+                max_stream_events_per_s=1, max_stream_delay_s=0.2, health_check_period_s=1.0,
+                direct_http=True, port=port,
                 engine_class=f"tests.serve.slow_engine:{request.param}", **ENGINE_ARGS), APP, PREFIX)
     yield f"http://127.0.0.1:{port}"
     from ray import serve
@@ -155,9 +157,13 @@ def test_a_killed_replica_fails_exactly_its_own_streams(coalesced, request):
             tasks = [asyncio.create_task(one(http, i, started)) for i in range(STREAMS)]
             while len(started) < STREAMS:
                 await asyncio.sleep(0.05)
-            stats = await asyncio.to_thread(replica_stats, APP, 2)
-            victim, held = max(((rid, s["num_requests"]) for rid, s in stats.items()),
-                               key=lambda kv: kv[1])
+            for _ in range(5):  # a replica's stats trail its core's by up to 50 ms
+                stats = await asyncio.to_thread(replica_stats, APP, 2)
+                victim, held = max(((rid, s["num_requests"]) for rid, s in stats.items()),
+                                   key=lambda kv: kv[1])
+                if held:
+                    break
+                await asyncio.sleep(0.05)
             name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                         if victim in a["name"] and "EngineReplica" in a["name"])
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
