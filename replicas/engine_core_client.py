@@ -75,6 +75,7 @@ class EngineCoreClient(EngineClient):
         self.vocab_size = info["vocab_size"]
         self.tokenizer = pickle.loads(info["tokenizer"])
         self._stats = info["stats"]
+        self.gc_frozen_objects = info["gc_frozen_objects"]  # the core's startup heap (see main)
         self._sock.setblocking(False)
         try:  # a replica builds it on its event loop: hear a core that dies while idle
             asyncio.get_running_loop()
