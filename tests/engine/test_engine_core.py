@@ -165,7 +165,7 @@ def test_the_core_runs_on_the_cpus_it_claimed_and_gives_them_back(tiny_model_dir
 
 def test_the_core_freezes_its_startup_heap(tiny_model_dir):
     """A full collection while serving walks only what serving made, not the model, tokenizer and
-    libraries the core was built with (with the default model ~300,000 objects, ~0.1 s)."""
+    libraries the core was built with (see replicas/engine_core.py: main)."""
     client = EngineCoreClient(config(str(tiny_model_dir("llama"))))
     try:
         assert client.gc_frozen_objects > 10_000

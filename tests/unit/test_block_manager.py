@@ -45,7 +45,6 @@ def test_allocate_exact_block_ids_and_free_order():
     assert bm.num_free_blocks == 6
 
 
-
 def test_a_block_is_made_when_first_taken():
     # A cache the size of a GPU's (or a thousand simulated replicas' caches) costs nothing to
     # build; blocks are taken in id order as before, and a freed one comes back before the blocks
@@ -59,6 +58,7 @@ def test_a_block_is_made_when_first_taken():
     bm.free(a)
     assert bm.free_block_ids()[:2] == [2, 5] and bm.free_block_ids()[-2:] == [1, 0]
     assert bm.num_free_blocks == 100_000 - 2
+
 
 def test_prefix_hit_reuses_blocks_and_rechecks_tokens():
     bm = BlockManager(num_blocks=8, block_size=BS)

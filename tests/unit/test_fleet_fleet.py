@@ -37,7 +37,6 @@ def test_every_router_serves_the_same_stream_and_the_prefix_routers_hit_more():
     assert results["oracle"]["hit_rate"] > results["random"]["hit_rate"] + 0.2
 
 
-
 def test_a_run_makes_no_full_collections_and_first_frees_the_last_runs_fleet():
     enabled = gc.isenabled()
     gc.disable()  # no collections but the run's own
