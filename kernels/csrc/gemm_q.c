@@ -6,7 +6,8 @@
  *
  * Two ways through a panel, by the number of rows:
  *   rows <= Q_DIRECT_ROWS (decode): the packed bytes stream from memory once, widened and
- *     multiplied in registers (csrc/gemm_q_direct.c);
+ *     multiplied in registers (csrc/gemm_q_direct.c); bf16 rows on AVX512-BF16 up to
+ *     Q_DIRECT_PAIR_ROWS, widened to bf16 pairs and multiplied on vdpbf16ps;
  *   more rows: the panel is dequantized once (s * q + o, one FMA) into an fp32 scratch panel
  *     (k x Q_PANEL floats, in L2: 295 KB at k = 1536 on AVX-512) and an fp32 register tile of
  *     gemm.c's shape (8 x 48 on AVX-512, 6 x 16 on AVX2) runs every row tile over it, so the
@@ -197,20 +198,24 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
         return PS_BAD_QUANT_LAYOUT;
     if (rows == 0 || n == 0) return PS_OK;
     int out_bf16 = dtypes & PSQ_BF16_OUT, x_bf16 = dtypes & PSQ_BF16_X, so_f16 = dtypes & PSQ_F16_SO;
-    const int direct = rows <= Q_DIRECT_ROWS;
-    /* bf16 rows beyond decode's few: the bf16 pair panels (Q_PAIRS), x kept in bf16. */
-    const int paired = Q_PAIRS && !direct && x_bf16 && k % 2 == 0;
+    const int64_t groups = k / group_size, block = psq_fold_block(group_size, bits), blocks = k / block;
+    /* bf16 rows on AVX512-BF16 (k even) stay bf16 and run on pairs: on the direct path's (an even
+     * fold block) up to Q_DIRECT_PAIR_ROWS, beyond on the bf16 pair panels. */
+    const int pairs_ok = Q_PAIRS && x_bf16 && k % 2 == 0;
+    const int direct = rows <= (pairs_ok && block % 2 == 0 ? Q_DIRECT_PAIR_ROWS : Q_DIRECT_ROWS);
+    const int paired = pairs_ok && !direct;
+    const int direct_paired = pairs_ok && direct && block % 2 == 0;
     void *converted = NULL;  /* x's rows as the tiles read them, where x itself will not do */
     const float *xf = x;
     const uint16_t *x16 = x;
-    if (paired && perm) {
+    if ((paired || direct_paired) && perm) {
         uint16_t *gathered = malloc((size_t)(rows * k) * sizeof *gathered);
         if (!gathered) return PS_OUT_OF_MEMORY;
         gather_rows_bf16(gathered, x, x_stride, perm, rows, k, num_threads);
         converted = gathered;
         x16 = gathered;
         x_stride = k;
-    } else if (!paired && (perm || x_bf16)) {
+    } else if (!paired && !direct_paired && (perm || x_bf16)) {
         float *widened = malloc((size_t)(rows * k) * sizeof *widened);
         if (!widened) return PS_OUT_OF_MEMORY;
         gather_rows(widened, x, x_bf16, x_stride, perm, rows, k, num_threads);
@@ -218,10 +223,9 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
         xf = widened;
         x_stride = k;
     }
-    const int64_t groups = k / group_size, block = psq_fold_block(group_size, bits), blocks = k / block;
-    float xsum[Q_DIRECT_ROWS * 64], *xsum_heap = NULL, *xs = xsum;  /* [rows, blocks] */
+    float xsum[Q_DIRECT_PAIR_ROWS * 64], *xsum_heap = NULL, *xs = xsum;  /* [rows, blocks] */
     if (direct) {
-        if (rows * blocks > Q_DIRECT_ROWS * 64) {
+        if (rows * blocks > Q_DIRECT_PAIR_ROWS * 64) {
             xs = xsum_heap = malloc((size_t)(rows * blocks) * sizeof *xs);
             if (!xs) {
                 free(converted);
@@ -231,7 +235,10 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
         for (int64_t r = 0; r < rows; r++)
             for (int64_t b = 0; b < blocks; b++) {
                 float sum = 0.0f;
-                for (int64_t j = 0; j < block; j++) sum += xf[r * x_stride + b * block + j];
+                if (direct_paired)
+                    for (int64_t j = 0; j < block; j++) sum += ps_bf16_to_float(x16[r * x_stride + b * block + j]);
+                else
+                    for (int64_t j = 0; j < block; j++) sum += xf[r * x_stride + b * block + j];
                 xs[r * blocks + b] = sum;
             }
     }
@@ -282,6 +289,13 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
 #if Q_PAIRS
                 if (paired) {
                     pair_tile(o, out_bf16, n, x16 + r * x_stride, x_stride, pairs, k / 2, mr, cols, pb);
+                    r += mr;
+                    continue;
+                }
+                if (direct_paired) {
+                    (bits == 4 ? psq_direct_pair_tile4 : psq_direct_pair_tile8)(
+                        o, out_bf16, n, x16 + r * x_stride, x_stride, xs + r * blocks, panel_q,
+                        panel_so, k, group_size, block, mr, cols, pb);
                     r += mr;
                     continue;
                 }

@@ -109,6 +109,25 @@ def test_bf16_rows_past_the_direct_path(level, rows, perm, k, group_size, bits):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 16, 17, 32])
+@pytest.mark.parametrize("perm", [False, True], ids=["inorder", "perm"])
+@pytest.mark.parametrize("k, group_size, bits", [(576, 32, 4), (1536, 1536, 4), (576, 16, 8),
+                                                 (1536, 1536, 8), (90, 45, 8)])
+def test_bf16_rows_on_the_direct_path(level, rows, perm, k, group_size, bits):
+    """bf16 decode rows on AVX512-BF16 take the direct path's pairs (csrc/gemm_q_direct.c, up to
+    Q_DIRECT_PAIR_ROWS): the packed integers widen to bf16 pairs exactly, per-channel groups fold
+    every 64 values, one or two rows alternate accumulators; an odd fold block (8 bits, group 45)
+    stays on the fp32 direct path."""
+    weight = random_weight(50, k, bits, group_size, perm=perm, seed=rows + k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, 3:3 + k]  # strided, odd offset
+    bias = torch.randn(50, generator=gen).bfloat16()
+    packed = quant_linear.pack(weight, level)
+    assert_matches(quant_linear.linear(x, packed, bias), x, weight, bias)
+    assert_matches(quant_linear.linear(x.contiguous(), packed), x, weight)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_two_threads_split_the_panels(level, threads):
     weight = random_weight(960, 576, 4, 32)
