@@ -135,9 +135,10 @@ def test_two_threads_split_the_panels(level, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 4, 16):
-            x = torch.randn(rows, 576)
-            assert_matches(quant_linear.linear(x, packed), x, weight)
+        for rows in (1, 4, 16, 32):
+            for dtype in (torch.float32, torch.bfloat16):  # bf16 decode rows: the direct path's pairs
+                x = torch.randn(rows, 576).to(dtype)
+                assert_matches(quant_linear.linear(x, packed), x, weight)
     finally:
         torch.set_num_threads(before)
 
