@@ -37,7 +37,9 @@ rounded to bf16 pairs and multiplied on vdpbf16ps. Measured 2026-12-04 on a 2-co
 threads, the 30 layers' int4 g32 projections in bf16, medians of 7, against the same build at the
 avx512 level (fp32 scratch panel) in alternating processes: 64 rows 68-69 -> 41-45 ms (1.5-1.7x),
 256 rows 261-263 -> 144-164 ms (1.6-1.8x); the default model as shipped (Q4_1), dtype bfloat16,
-prefilling 64 x 256 tokens: 828-855 -> 1,428-1,449 tok/s.
+prefilling 64 x 256 tokens: 828-855 -> 1,428-1,449 tok/s. Decode's bf16 rows (up to 32,
+csrc/gemm_q.h's Q_DIRECT_PAIR_ROWS) widen the packed integers to bf16 pairs in registers instead,
+exactly, and multiply on vdpbf16ps too (csrc/gemm_q_direct.c, where the figures are).
 """
 from __future__ import annotations
 
