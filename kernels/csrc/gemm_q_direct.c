@@ -48,6 +48,22 @@
                   qv_add(qv_load(cr + 2 * QV % Q_PANEL), bias2)}, cols);                    \
     }
 
+/* Every row's accumulators, its fold at block blk's end (with the group's scales and offsets), and
+ * its sums (plus the bias) out: the fp32 and the bf16-pair tiles share them. */
+#define QD_ROWS_DECLARE                                                                     \
+    QD_DECLARE(0) QD_DECLARE(1) QD_DECLARE(2) QD_DECLARE(3)                                 \
+    QD_DECLARE(4) QD_DECLARE(5) QD_DECLARE(6) QD_DECLARE(7)
+#define QD_ROWS_FOLD                                                                        \
+    {                                                                                       \
+        const float *sg = so + blk * block / group_size * 2 * Q_PANEL;                      \
+        QD_ROW_FOLD(0) QD_ROW_FOLD(1) QD_ROW_FOLD(2) QD_ROW_FOLD(3)                         \
+        QD_ROW_FOLD(4) QD_ROW_FOLD(5) QD_ROW_FOLD(6) QD_ROW_FOLD(7)                         \
+    }
+#define QD_ROWS_STORE                                                                       \
+    Q_LOAD_BIAS                                                                             \
+    QD_ROW_STORE(0) QD_ROW_STORE(1) QD_ROW_STORE(2) QD_ROW_STORE(3)                         \
+    QD_ROW_STORE(4) QD_ROW_STORE(5) QD_ROW_STORE(6) QD_ROW_STORE(7)
+
 /* `mr` rows of x against one panel's packed bytes (bits 4 or 8), folding every `block` k values
  * (a divisor of group_size: see fold_block); xsum: [rows, k / block] sums of x over each block.
  * mr and bits are literals at every call site. */
@@ -58,8 +74,7 @@ static inline __attribute__((always_inline)) void direct_rows(
     const int split = mr <= 2;
     const int64_t blocks = k / block;
     float sums[Q_DIRECT_TILE * Q_PANEL] = {0};
-    QD_DECLARE(0) QD_DECLARE(1) QD_DECLARE(2) QD_DECLARE(3)
-    QD_DECLARE(4) QD_DECLARE(5) QD_DECLARE(6) QD_DECLARE(7)
+    QD_ROWS_DECLARE
     qvec w0 = qv_zero(), w1 = w0, w2 = w0;
     for (int64_t blk = 0; blk < blocks; blk++) {
         const float *xk = x + blk * block;
@@ -95,13 +110,9 @@ static inline __attribute__((always_inline)) void direct_rows(
                 QD_ROWS_FMA(0)
             }
         }
-        const float *sg = so + blk * block / group_size * 2 * Q_PANEL;
-        QD_ROW_FOLD(0) QD_ROW_FOLD(1) QD_ROW_FOLD(2) QD_ROW_FOLD(3)
-        QD_ROW_FOLD(4) QD_ROW_FOLD(5) QD_ROW_FOLD(6) QD_ROW_FOLD(7)
+        QD_ROWS_FOLD
     }
-    Q_LOAD_BIAS
-    QD_ROW_STORE(0) QD_ROW_STORE(1) QD_ROW_STORE(2) QD_ROW_STORE(3)
-    QD_ROW_STORE(4) QD_ROW_STORE(5) QD_ROW_STORE(6) QD_ROW_STORE(7)
+    QD_ROWS_STORE
 }
 
 #define Q_DIRECT(b) direct_rows(out, out_bf16, out_stride, x, x_stride, xsum, weights, so, k,  \
@@ -181,8 +192,7 @@ static inline __attribute__((always_inline)) void direct_pair_rows(
     const int split = mr <= 2;
     const int64_t blocks = k / block;
     float sums[Q_DIRECT_TILE * Q_PANEL] = {0};
-    QD_DECLARE(0) QD_DECLARE(1) QD_DECLARE(2) QD_DECLARE(3)
-    QD_DECLARE(4) QD_DECLARE(5) QD_DECLARE(6) QD_DECLARE(7)
+    QD_ROWS_DECLARE
     const __m512i table = qp_table4();
     int odd = 0;
     for (int64_t blk = 0; blk < blocks; blk++) {
@@ -203,13 +213,9 @@ static inline __attribute__((always_inline)) void direct_pair_rows(
                 QDP_ROWS_DOT_ALTERNATING
             }
         }
-        const float *sg = so + blk * block / group_size * 2 * Q_PANEL;
-        QD_ROW_FOLD(0) QD_ROW_FOLD(1) QD_ROW_FOLD(2) QD_ROW_FOLD(3)
-        QD_ROW_FOLD(4) QD_ROW_FOLD(5) QD_ROW_FOLD(6) QD_ROW_FOLD(7)
+        QD_ROWS_FOLD
     }
-    Q_LOAD_BIAS
-    QD_ROW_STORE(0) QD_ROW_STORE(1) QD_ROW_STORE(2) QD_ROW_STORE(3)
-    QD_ROW_STORE(4) QD_ROW_STORE(5) QD_ROW_STORE(6) QD_ROW_STORE(7)
+    QD_ROWS_STORE
 }
 
 #define Q_DIRECT_PAIRS(b) direct_pair_rows(out, out_bf16, out_stride, x, x_stride, xsum, weights, \
