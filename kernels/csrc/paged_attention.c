@@ -125,16 +125,18 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define PS_TILED 1
 
-/* The AVX-512 form of attend() for head dims of 16 to 128 in whole vectors. The loop above spends
- * most of its time on a horizontal sum per (position, query head) and on output rows kept in
- * memory (measured on Zen 5, 64 sequences x 96 positions, 1 thread: ~26 cycles per position and
- * query head). Here a KV head's row segment is loaded (widened) once per position for up to
- * three query heads; q . k is summed for eight positions at a time in registers and reduced by
- * one transpose; p . v accumulates in registers over a tile of positions. Sums are fp32 as in
- * the spec, in another order (float rounding apart).
+/* The tiled form of attend(), in AVX-512 or AVX2, for head dims in whole vectors (attend_any).
+ * The loop above spends most of its time on a horizontal sum per (position, query head) and on
+ * output rows kept in memory (measured on Zen 5, 64 sequences x 96 positions, 1 thread: ~26
+ * cycles per position and query head). Here a KV head's row segment is loaded (widened) once per
+ * position for up to three query heads; q . k is summed for eight positions at a time in
+ * registers (AVX2: two sets of four) and reduced by one transpose; p . v accumulates in registers
+ * over a tile of positions (AVX2: four vectors of the head at a time). Sums are fp32 as in the
+ * spec, in another order (float rounding apart).
  *
  * A step's KV cache (every layer) is far larger than the caches, and its blocks sit at scattered
  * addresses, so this waits on memory unless told what comes next. Positions go by in tiles of
@@ -146,10 +148,13 @@ static inline __attribute__((always_inline)) void attend(
  * 64 x 512 1286 -> 943, 16 x 128 114 -> 57, 4 x 1024 273 -> 128, 1 x 2048 93 -> 77; fp32
  * caches 1.2x. */
 #define PS_GROUP_CHUNK 3
-#define PS_TILE 8 /* scores8's positions */
+#define PS_TILE 8 /* scores_tile's positions */
 /* How far ahead rows are prefetched, in bytes of the task's rows: ~16 rows of three bf16 KV heads
  * of 64, 64 rows of one (measured best of 8-64 rows, either way). */
 #define PS_AHEAD_BYTES 8192
+
+#if defined(__AVX512F__)
+#define PS_LANES 16
 
 /* Chunk c (16 values) of a row segment as fp32. */
 static inline __attribute__((always_inline)) __m512 load16(const char *row, int c, const int bf16) {
@@ -176,7 +181,7 @@ static inline __attribute__((always_inline)) __m256 sum8(const __m512 *a) {
 }
 
 /* scores[g * len + t0 ..] = scale * q_g . k_t for positions t0 .. t0 + 7 (those below len). */
-static inline __attribute__((always_inline)) void scores8(
+static inline __attribute__((always_inline)) void scores_tile(
     float *scores, int64_t len, int64_t t0, const float *q, const char *k, const int64_t *offsets,
     float scale, const int nv, const int groups, const int bf16) {
     __m512 acc[PS_GROUP_CHUNK][8];
@@ -202,7 +207,7 @@ static inline __attribute__((always_inline)) void scores8(
 /* out_g += sum_t p_gt v_t over positions t0 .. t1 - 1, for `groups` query heads sharing one KV
  * head: the sums stay in registers across the span, in out between spans. prefetch_bytes > 0:
  * the rows `ahead` positions on are prefetched as it goes (the span is the whole context). */
-static inline __attribute__((always_inline)) void weighted_sum(
+static inline __attribute__((always_inline)) void weighted_span(
     float *out, const float *p, int64_t len, int64_t t0, int64_t t1, const char *v,
     const int64_t *offsets, const int nv, const int groups, const int bf16, int64_t ahead,
     int64_t prefetch_bytes) {
@@ -222,18 +227,103 @@ static inline __attribute__((always_inline)) void weighted_sum(
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + (g * nv + c) * 16, acc[g][c]);
 }
 
+#else /* AVX2: 16 registers of 8 lanes */
+#define PS_LANES 8
+#define PS_HEAD_CHUNK 4 /* vectors of a head weighted_span holds per query head at once */
+
+/* Chunk c (8 values) of a row segment as fp32. */
+static inline __attribute__((always_inline)) __m256 load8(const char *row, int c, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row + c)), 16));
+    return _mm256_loadu_ps((const float *)row + 8 * c);
+}
+
+/* The sums of four vectors' lanes, in order. */
+static inline __attribute__((always_inline)) __m128 sum4(const __m256 *a) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* scores[g * len + t0 ..] = scale * q_g . k_t for positions t0 .. t0 + 3 (those below len): four
+ * positions, as three query heads' sums of four take 12 of the 16 registers. */
+static inline __attribute__((always_inline)) void scores4(
+    float *scores, int64_t len, int64_t t0, const float *q, const char *k, const int64_t *offsets,
+    float scale, const int nv, const int groups, const int bf16) {
+    __m256 acc[PS_GROUP_CHUNK][4];
+    const char *rows[4];
+    for (int t = 0; t < 4; t++)  /* past the end: the last position again, its sums dropped */
+        rows[t] = k + offsets[t0 + t < len ? t0 + t : len - 1];
+    for (int g = 0; g < groups; g++)
+        for (int t = 0; t < 4; t++) acc[g][t] = _mm256_setzero_ps();
+    for (int c = 0; c < nv; c++) {
+        for (int t = 0; t < 4; t++) {
+            __m256 kc = load8(rows[t], c, bf16);
+            for (int g = 0; g < groups; g++)
+                acc[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g * nv + c) * 8), kc, acc[g][t]);
+        }
+    }
+    int n = len - t0 < 4 ? (int)(len - t0) : 4;
+    __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3));
+    for (int g = 0; g < groups; g++)
+        _mm_maskstore_ps(scores + g * len + t0, mask, _mm_mul_ps(sum4(acc[g]), _mm_set1_ps(scale)));
+}
+
+/* The same for positions t0 .. t0 + 7. */
+static inline __attribute__((always_inline)) void scores_tile(
+    float *scores, int64_t len, int64_t t0, const float *q, const char *k, const int64_t *offsets,
+    float scale, const int nv, const int groups, const int bf16) {
+    scores4(scores, len, t0, q, k, offsets, scale, nv, groups, bf16);
+    if (t0 + 4 < len) scores4(scores, len, t0 + 4, q, k, offsets, scale, nv, groups, bf16);
+}
+
+/* out_g += sum_t p_gt v_t over positions t0 .. t1 - 1, for `groups` query heads sharing one KV
+ * head, PS_HEAD_CHUNK vectors of the head at a time over PS_SUBSPAN positions (whose rows stay in
+ * L1 for the head's next chunk; the sums in registers across them, in out between). Prefetch as
+ * weighted_span's AVX-512 form, by the first chunk's pass. */
+#define PS_SUBSPAN 32
+static inline __attribute__((always_inline)) void weighted_span(
+    float *out, const float *p, int64_t len, int64_t t0, int64_t t1, const char *v,
+    const int64_t *offsets, const int nv, const int groups, const int bf16, int64_t ahead,
+    int64_t prefetch_bytes) {
+    for (int64_t s0 = t0; s0 < t1; s0 += PS_SUBSPAN) {
+        int64_t s1 = s0 + PS_SUBSPAN < t1 ? s0 + PS_SUBSPAN : t1;
+        for (int c0 = 0; c0 < nv; c0 += PS_HEAD_CHUNK) {
+            const int nc = nv - c0 < PS_HEAD_CHUNK ? nv - c0 : PS_HEAD_CHUNK;
+            __m256 acc[PS_GROUP_CHUNK][PS_HEAD_CHUNK];
+            for (int g = 0; g < groups; g++)
+                for (int c = 0; c < nc; c++)
+                    acc[g][c] = _mm256_loadu_ps(out + (g * nv + c0 + c) * 8);
+            for (int64_t t = s0; t < s1; t++) {
+                const char *row = v + offsets[t];
+                if (c0 == 0 && prefetch_bytes && t + ahead < len)
+                    prefetch_row(v + offsets[t + ahead], prefetch_bytes);
+                for (int c = 0; c < nc; c++) {
+                    __m256 vc = load8(row, c0 + c, bf16);
+                    for (int g = 0; g < groups; g++)
+                        acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * len + t]), vc, acc[g][c]);
+                }
+            }
+            for (int g = 0; g < groups; g++)
+                for (int c = 0; c < nc; c++)
+                    _mm256_storeu_ps(out + (g * nv + c0 + c) * 8, acc[g][c]);
+        }
+    }
+}
+#endif
+
 /* Prefetches the task's part of the cache rows of positions t0 .. t1 - 1 (those below len). */
 static inline void prefetch_rows(const char *base, const int64_t *offsets, int64_t t0, int64_t t1,
                                  int64_t len, int64_t bytes) {
     for (int64_t t = t0; t < t1 && t < len; t++) prefetch_row(base + offsets[t], bytes);
 }
 
-static inline __attribute__((always_inline)) void attend512(
+static inline __attribute__((always_inline)) void attend_tiled(
     float *restrict out, const float *restrict q, const void *k, const void *v, const int32_t *table,
     int64_t first, int64_t seq_len, int64_t block_size, int64_t row_stride, int64_t kv_heads,
     int64_t group, float scale, float soft_cap, float *restrict scores, int64_t *restrict offsets,
     const int nv, const int bf16) {
-    int64_t len = seq_len - first, elem = bf16 ? 2 : 4, head_bytes = 16 * nv * elem;
+    int64_t len = seq_len - first, elem = bf16 ? 2 : 4, head_bytes = PS_LANES * nv * elem;
     int64_t task_bytes = kv_heads * head_bytes;
     for (int64_t t = 0; t < len; t++) {  /* byte offset of each position's cache row */
         int64_t pos = first + t;
@@ -254,16 +344,16 @@ static inline __attribute__((always_inline)) void attend512(
             for (int64_t g0 = 0; g0 < group; g0 += PS_GROUP_CHUNK) {
                 int64_t j = h * group + g0, n = group - g0 < PS_GROUP_CHUNK ? group - g0 : PS_GROUP_CHUNK;
                 float *sj = scores + j * len;
-                const float *qj = q + j * 16 * nv;
-                if (n == 3) scores8(sj, len, t0, qj, kh, offsets, scale, nv, 3, bf16);
-                else if (n == 2) scores8(sj, len, t0, qj, kh, offsets, scale, nv, 2, bf16);
-                else scores8(sj, len, t0, qj, kh, offsets, scale, nv, 1, bf16);
+                const float *qj = q + j * PS_LANES * nv;
+                if (n == 3) scores_tile(sj, len, t0, qj, kh, offsets, scale, nv, 3, bf16);
+                else if (n == 2) scores_tile(sj, len, t0, qj, kh, offsets, scale, nv, 2, bf16);
+                else scores_tile(sj, len, t0, qj, kh, offsets, scale, nv, 1, bf16);
             }
         }
     }
     softmax_rows(scores, kv_heads * group, len, soft_cap);
-    memset(out, 0, (size_t)(kv_heads * group * 16 * nv) * sizeof *out);
-    /* One KV head: its rows are read once whatever the order, so one span, and weighted_sum
+    memset(out, 0, (size_t)(kv_heads * group * PS_LANES * nv) * sizeof *out);
+    /* One KV head: its rows are read once whatever the order, so one span, and weighted_span
      * prefetches as it goes (span_prefetch bytes a row); else tiles, prefetched here. */
     int single = kv_heads == 1;
     int64_t span = single ? len : PS_TILE, span_prefetch = single ? task_bytes : 0;
@@ -276,12 +366,12 @@ static inline __attribute__((always_inline)) void attend512(
                               ahead + (h + 1) * PS_TILE / kv_heads, len, task_bytes);
             for (int64_t g0 = 0; g0 < group; g0 += PS_GROUP_CHUNK) {
                 int64_t j = h * group + g0, n = group - g0 < PS_GROUP_CHUNK ? group - g0 : PS_GROUP_CHUNK;
-                float *o = out + j * 16 * nv;
+                float *o = out + j * PS_LANES * nv;
                 const float *p = scores + j * len;
                 int64_t pf = g0 == 0 ? span_prefetch : 0;  /* the first query heads' pass fetches */
-                if (n == 3) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, pf);
-                else if (n == 2) weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, pf);
-                else weighted_sum(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, pf);
+                if (n == 3) weighted_span(o, p, len, t0, t1, vh, offsets, nv, 3, bf16, ahead_rows, pf);
+                else if (n == 2) weighted_span(o, p, len, t0, t1, vh, offsets, nv, 2, bf16, ahead_rows, pf);
+                else weighted_span(o, p, len, t0, t1, vh, offsets, nv, 1, bf16, ahead_rows, pf);
             }
         }
     }
@@ -299,22 +389,27 @@ static void attend_any(float *out, const float *q, const void *k, const void *v,
                        int64_t row_stride, int64_t kv_heads, int64_t group, int64_t head_dim,
                        float scale, float soft_cap, float *scores, float *row32, int64_t *offsets,
                        int kv_bf16) {
-#if defined(__AVX512F__)
-#define PS_ATTEND512(nv, bf16)                                                                  \
-    attend512(out, q, k, v, table, first, seq_len, block_size, row_stride, kv_heads, group,   \
-              scale, soft_cap, scores, offsets, nv, bf16)
+#if defined(PS_TILED)
+#define PS_ATTEND_TILED(nv, bf16)                                                               \
+    attend_tiled(out, q, k, v, table, first, seq_len, block_size, row_stride, kv_heads, group, \
+                 scale, soft_cap, scores, offsets, nv, bf16)
 #define PS_NV_CASE(nv)                                                                          \
     case nv:                                                                                    \
-        if (kv_bf16) PS_ATTEND512(nv, 1); else PS_ATTEND512(nv, 0);                             \
+        if (kv_bf16) PS_ATTEND_TILED(nv, 1); else PS_ATTEND_TILED(nv, 0);                       \
         return;
-    /* Every head dim of whole vectors up to 128 (a tiny model's 32, Phi-2's 80, Phi-3's 96), nv
-     * a constant in each for the compiler to unroll; they took the loop above before. Measured
-     * on Zen 4, 1 thread, fp32 caches, 64 sequences x 300 positions: head_dim 32 (3 query heads
-     * a KV head) 1.26 -> 0.61 ms, 96 (32 heads, MHA) 36.8 -> 27.9. */
-    if (head_dim % 16 == 0) {
-        switch (head_dim / 16) {
+    /* Head dims in whole vectors (AVX-512: 16-128, a tiny model's 32, Phi-2's 80, Phi-3's 96;
+     * AVX2: the same but 112), nv a constant in each for the compiler to unroll. Measured on Zen
+     * 4, 1 thread, fp32 caches, 64 sequences x 300 positions, against the loop above: AVX-512,
+     * head_dim 32 (3 query heads a KV head) 1.26 -> 0.61 ms, 96 (32 heads, MHA) 36.8 -> 27.9. */
+    if (head_dim % PS_LANES == 0) {
+        switch (head_dim / PS_LANES) {
+#if PS_LANES == 16
             PS_NV_CASE(1) PS_NV_CASE(2) PS_NV_CASE(3) PS_NV_CASE(4)
             PS_NV_CASE(5) PS_NV_CASE(6) PS_NV_CASE(7) PS_NV_CASE(8)
+#else
+            PS_NV_CASE(2) PS_NV_CASE(4) PS_NV_CASE(6) PS_NV_CASE(8)
+            PS_NV_CASE(10) PS_NV_CASE(12) PS_NV_CASE(16)
+#endif
             default: break;
         }
     }

@@ -3,7 +3,8 @@ test_native_build.py)."""
 import pytest
 import torch
 
-from kernels import native, native_attention, native_norm_act, norm_act, reference, torch_attention
+from kernels import (cpu_features, native, native_attention, native_norm_act, norm_act, reference,
+                     torch_attention)
 from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 
 if not native.available():
@@ -25,6 +26,12 @@ SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
     (2, 1, 256, 16),  # more vectors than the AVX-512 form holds: the portable loop
 ]
 
+# Decode attention has a tiled form per ISA (csrc/paged_attention.c): the loaded level's, and the
+# AVX2 one where this CPU runs a higher level.
+DECODE_LEVELS = [None] + (["avx2"] if cpu_features.LEVELS.index(cpu_features.detected_level())
+                          > cpu_features.LEVELS.index("avx2") else [])
+DECODE_LEVEL_IDS = ["loaded" if lv is None else lv for lv in DECODE_LEVELS]
+
 
 def decode_rows(case: Case) -> torch.Tensor:
     """Mask of the query rows that belong to decode sequences."""
@@ -33,10 +40,11 @@ def decode_rows(case: Case) -> torch.Tensor:
 
 
 def run_native(case: Case, cache: torch.Tensor, fill: float = float("nan"),
-               kernel=native_attention.paged_decode_attention) -> torch.Tensor:
+               kernel=native_attention.paged_decode_attention, **kwargs) -> torch.Tensor:
     out = torch.full(case.query.shape, fill)
     m = case.metadata
-    kernel(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale)
+    kernel(out, case.query, cache, m.block_tables, m.seq_lens, m.query_start_loc, case.scale,
+           **kwargs)
     return out
 
 
@@ -53,14 +61,15 @@ def assert_each_raises(kernel, args: dict, bad: dict) -> None:
                 kernel(**{**args, name: value})
 
 
+@pytest.mark.parametrize("level", DECODE_LEVELS, ids=DECODE_LEVEL_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
-def test_decode_matches_reference(shape):
+def test_decode_matches_reference(shape, level):
     heads, kv_heads, head_dim, block_size = shape
     case = Case([(1, n) for n in CONTEXTS], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 block_size=block_size)
     cache = case.stored_cache(reference.store_kv)
     expected = reference.paged_attention(case.query, cache, case.metadata, case.scale)
-    assert_close(run_native(case, cache), expected, torch.float32)
+    assert_close(run_native(case, cache, level=level), expected, torch.float32)
 
 
 def test_mixed_batch_leaves_prefill_rows():
@@ -264,7 +273,8 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("soft_cap", [None, SOFT_CAP], ids=["no_cap", "soft_cap"])
 @pytest.mark.parametrize("window", [1, 7, 16, 100, 1000])
 @pytest.mark.parametrize("shape", SHAPES[:4] + SHAPES[5:6], ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
-def test_windowed_decode_matches_reference(shape, window, soft_cap):
+@pytest.mark.parametrize("level", DECODE_LEVELS, ids=DECODE_LEVEL_IDS)
+def test_windowed_decode_matches_reference(level, shape, window, soft_cap):
     heads, kv_heads, head_dim, block_size = shape
     case = Case([(1, n) for n in CONTEXTS], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 block_size=block_size, sliding_window=window)
@@ -274,7 +284,7 @@ def test_windowed_decode_matches_reference(shape, window, soft_cap):
     m = case.metadata
     out = torch.full(case.query.shape, float("nan"))
     native_attention.paged_decode_attention(out, case.query, cache, m.block_tables, m.seq_lens,
-                                            m.query_start_loc, case.scale, **kwargs)
+                                            m.query_start_loc, case.scale, level=level, **kwargs)
     assert_close(out, expected, torch.float32)
 
 
