@@ -19,11 +19,11 @@ SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
     (8, 2, 128, 16),
     (6, 2, 64, 8),
     (4, 1, 128, 32),
-    (4, 2, 80, 5),  # five vectors of 16 (Phi-2's head_dim)
-    (3, 1, 32, 16),  # two, three query heads a KV head (bench.serving_overhead's tiny model)
-    (4, 4, 96, 16),  # six (Phi-3's)
-    (4, 2, 40, 5),  # a head_dim not in whole vectors: the portable loop
-    (2, 1, 256, 16),  # more vectors than the AVX-512 form holds: the portable loop
+    (4, 2, 80, 5),  # head dims of other whole vectors in the tiled forms: Phi-2's
+    (3, 1, 32, 16),  # bench.serving_overhead's tiny model's, three query heads a KV head
+    (4, 4, 96, 16),  # Phi-3's
+    (4, 2, 40, 5),  # not whole vectors of 16: the portable loop
+    (2, 1, 256, 16),  # more vectors than the tiled forms hold: the portable loop
 ]
 
 # Decode attention has a tiled form per ISA (csrc/paged_attention.c): the loaded level's, and the

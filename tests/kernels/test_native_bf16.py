@@ -31,9 +31,9 @@ ATTENTION_SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
     (9, 3, 64, 16),  # the default model
     (8, 2, 128, 16),
     (4, 4, 64, 8),
-    (4, 2, 80, 5),  # five vectors of 16
-    (3, 1, 32, 16),  # two
-    (4, 2, 40, 5),  # a head_dim not in whole vectors: the portable loop
+    (4, 2, 80, 5),  # head dims of other whole vectors in the tiled forms
+    (3, 1, 32, 16),
+    (4, 2, 40, 5),  # not whole vectors of 16: the portable loop
 ]
 
 
@@ -113,7 +113,8 @@ PREFILLS = [(2, 2), (16, 16), (17, 17), (33, 33), (100, 100), (257, 257), (7, 40
 @pytest.mark.parametrize("level", LEVELS, ids=LEVEL_IDS)
 @pytest.mark.parametrize("dtype, kv_dtype", [(BF16, BF16), (F32, BF16), (BF16, F32)],
                          ids=["bf16", "fp32_q_bf16_kv", "bf16_q_fp32_kv"])
-@pytest.mark.parametrize("shape", [s for s in ATTENTION_SHAPES if native_attention.supports_prefill(s[2])],
+@pytest.mark.parametrize("shape",
+                         [s for s in ATTENTION_SHAPES if native_attention.supports_prefill(s[2])],
                          ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
 def test_prefill(level, dtype, kv_dtype, shape):
     heads, kv_heads, head_dim, block_size = shape
