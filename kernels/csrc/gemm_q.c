@@ -202,9 +202,10 @@ int pagedserve_quant_linear(void *out, const void *x, int64_t x_stride, const in
     /* bf16 rows on AVX512-BF16 (k even) stay bf16 and run on pairs: on the direct path's (an even
      * fold block) up to Q_DIRECT_PAIR_ROWS, beyond on the bf16 pair panels. */
     const int pairs_ok = Q_PAIRS && x_bf16 && k % 2 == 0;
-    const int direct = rows <= (pairs_ok && block % 2 == 0 ? Q_DIRECT_PAIR_ROWS : Q_DIRECT_ROWS);
+    const int direct_pairs_ok = pairs_ok && block % 2 == 0;
+    const int direct = rows <= (direct_pairs_ok ? Q_DIRECT_PAIR_ROWS : Q_DIRECT_ROWS);
     const int paired = pairs_ok && !direct;
-    const int direct_paired = pairs_ok && direct && block % 2 == 0;
+    const int direct_paired = direct_pairs_ok && direct;
     void *converted = NULL;  /* x's rows as the tiles read them, where x itself will not do */
     const float *xf = x;
     const uint16_t *x16 = x;
