@@ -91,21 +91,27 @@ def test_perm_bias_dtype_and_strided_rows(level, bits, rows, dtype):
     assert_matches(quant_linear.linear(x, packed, bias.float()), x, weight, bias.float())
 
 
+def check_bf16_rows(level, rows: int, perm: bool, k: int, group_size: int, bits: int) -> None:
+    """bf16 rows, strided with an odd offset and contiguous, with a bf16 bias and without."""
+    weight = random_weight(50, k, bits, group_size, perm=perm, seed=rows + k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, 3:3 + k]
+    bias = torch.randn(50, generator=gen).bfloat16()
+    packed = quant_linear.pack(weight, level)
+    assert_matches(quant_linear.linear(x, packed, bias), x, weight, bias)
+    assert_matches(quant_linear.linear(x.contiguous(), packed), x, weight)
+
+
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("rows", [17, 64, 133])
+@pytest.mark.parametrize("rows", [33, 64, 133])
 @pytest.mark.parametrize("perm", [False, True], ids=["inorder", "perm"])
 @pytest.mark.parametrize("k, group_size, bits", [(576, 32, 4), (1536, 128, 8), (45, 15, 8)])
 def test_bf16_rows_past_the_direct_path(level, rows, perm, k, group_size, bits):
-    """bf16 rows beyond decode's few take the bf16 pair panels on AVX512-BF16 (an even k; an odd
-    one stays on the fp32 scratch panel): the weights round to bf16 there, the sums stay fp32."""
-    weight = random_weight(50, k, bits, group_size, perm=perm, seed=rows + k)
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, 3:3 + k]  # strided rows
-    bias = torch.randn(50, generator=gen).bfloat16()
-    packed = quant_linear.pack(weight, level)
+    """bf16 rows beyond decode's (past Q_DIRECT_PAIR_ROWS, 32) take the bf16 pair panels on
+    AVX512-BF16 (an even k; an odd one stays on the fp32 scratch panel): the weights round to bf16
+    there, the sums stay fp32."""
     torch.set_num_threads(2)  # the autouse one_thread fixture restores it
-    assert_matches(quant_linear.linear(x, packed, bias), x, weight, bias)
-    assert_matches(quant_linear.linear(x.contiguous(), packed), x, weight)
+    check_bf16_rows(level, rows, perm, k, group_size, bits)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -118,13 +124,7 @@ def test_bf16_rows_on_the_direct_path(level, rows, perm, k, group_size, bits):
     Q_DIRECT_PAIR_ROWS): the packed integers widen to bf16 pairs exactly, per-channel groups fold
     every 64 values, one or two rows alternate accumulators; an odd fold block (8 bits, group 45)
     stays on the fp32 direct path."""
-    weight = random_weight(50, k, bits, group_size, perm=perm, seed=rows + k)
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 2 * k, generator=gen).bfloat16()[:, 3:3 + k]  # strided, odd offset
-    bias = torch.randn(50, generator=gen).bfloat16()
-    packed = quant_linear.pack(weight, level)
-    assert_matches(quant_linear.linear(x, packed, bias), x, weight, bias)
-    assert_matches(quant_linear.linear(x.contiguous(), packed), x, weight)
+    check_bf16_rows(level, rows, perm, k, group_size, bits)
 
 
 @pytest.mark.parametrize("level", LEVELS)
