@@ -1,4 +1,4 @@
-"""A decode step through a stack of Llama-style decoder layers in one native call
+"""A step through a stack of Llama-style decoder layers in one native call
 (csrc/decoder_layers.c): the same kernels, arguments and order as the model's Python forward
 (replicas/models/llama.py), so the outputs are bit for bit the same; what goes is the Python
 between them, ~40 % of a batch-1 decode step of the default model (module calls, per-kernel
@@ -7,8 +7,11 @@ argument checks, result tensors: ~110 us a layer on Zen 5).
 It takes layers whose projections are all packed for the native GEMMs (weight-only quantized
 panels: GGUF, GPTQ without act-order, AWQ, compressed-tensors; fp32 or bf16 panels), fp32 or bf16
 activations, RMSNorms, rotary attention without a window or soft cap, and a SiLU gated MLP; steps
-where every sequence decodes. DecoderStack.build returns None for anything else (oneDNN-packed
-or unpacked weights among them), and the caller keeps its layer loop.
+where every sequence decodes, and, where the native prefill attention takes the head_dim (a
+multiple of 16, as the layer loop's attention needs for the same kernel), steps with prefills
+too: under streaming load most steps carry a new prompt's chunk beside the decodes.
+DecoderStack.build returns None for anything else (oneDNN-packed or unpacked weights among
+them), and the caller keeps its layer loop.
 
 PAGEDSERVE_FUSED_DECODE=0 keeps the layer loop (comparisons, benchmarks).
 """
@@ -20,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import native, native_linear, native_norm_act
+from kernels import native, native_attention, native_linear, native_norm_act
 from kernels.cpu_linear import PackedWeight
 from kernels.metadata import AttentionMetadata
 from kernels.quant_linear import _BF16_BIAS, _BF16_OUT, _BF16_X, PackedQuant
@@ -69,6 +72,7 @@ class DecoderStack:
         self.dtype, self.eps, self.scale = dtype, eps, scale
         self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
         self.head_dim, self.intermediate_size = head_dim, intermediate_size
+        self.takes_prefills = native_attention.supports_prefill(head_dim)
         # csrc/decoder_layers.c's per-token scratch: qkv, attention output, gate_up, activation
         self.scratch_width = (2 * num_heads + 2 * num_kv_heads) * head_dim + 3 * intermediate_size
         data = _BF16_OUT | _BF16_X if dtype is torch.bfloat16 else 0  # the same bits in every GEMM
@@ -147,9 +151,9 @@ class DecoderStack:
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], metadata: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layers over hidden [T, hidden] (the embeddings; taken over and written) for an
-        all-decode step: (the last layer's MLP output, the residual stream before it), what the
-        layer loop returns; None (nothing done) where these operands are not the kernel's."""
+        """The layers over hidden [T, hidden] (the embeddings; taken over and written) for a
+        step: (the last layer's MLP output, the residual stream before it), what the layer loop
+        returns; None (nothing done) where these operands are not the kernel's."""
         if kv_caches is not self._kv_list and not self._bind_caches(kv_caches):
             return None
         tokens = hidden.shape[0] if hidden.dim() == 2 else -1
@@ -158,7 +162,8 @@ class DecoderStack:
         width = tables.shape[-1] if tables.dim() == 2 else -1
         half = cos.shape[-1]
         cs_stride = cos.stride(0) if cos.dim() else 0
-        if not (tokens == batch and metadata.is_all_decode and hidden.dtype is self.dtype and hidden.is_contiguous()
+        if not ((metadata.is_all_decode and tokens == batch or self.takes_prefills and tokens >= batch)
+                and hidden.dtype is self.dtype and hidden.is_contiguous()
                 and hidden.shape[1] == self.hidden_size and cos.dtype is self.dtype
                 and sin.dtype is self.dtype and cos.shape == sin.shape and cos.shape[0] == tokens
                 and cos.numel() == tokens * half and 2 * half <= self.head_dim

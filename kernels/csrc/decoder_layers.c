@@ -1,18 +1,22 @@
-/* A decode step through a whole stack of Llama-style decoder layers in one call: for each layer,
+/* A step through a whole stack of Llama-style decoder layers in one call: for each layer,
  * the same kernels with the same arguments, in the same order, as the model's Python forward
  * (replicas/models/llama.py) makes them one call at a time, so the results are bit for bit that
  * forward's; kernels/decoder_layers.py says when a model and a step qualify.
  *
  * Why: at batch 1 the model's Python between kernels (module calls, argument checks, result
  * tensors) cost ~40 % of the default model's decode step (~110 us a layer, measured on Zen 5),
- * against ~9 kernel calls a layer that are each a few microseconds of work.
+ * against ~9 kernel calls a layer that are each a few microseconds of work. Steps with prefills
+ * take it too: under streaming load most steps are a prefill chunk beside the decodes, and on a
+ * small model the layer loop made those steps the engine's slowest.
  *
- * Per layer, with hidden [T, H] and residual [T, H] carried in place (T decode tokens):
+ * Per layer, with hidden [T, H] and residual [T, H] carried in place (T tokens of the step's
+ * sequences: one each for decodes, a chunk each for prefills):
  *   residual += hidden; hidden = rms_norm(residual) * input_norm      (layer 0: residual = hidden,
  *                                                                      then the plain norm)
  *   qkv = hidden . Wqkv^T (+ b)            the projection's packed GEMM (csrc/gemm*.c)
  *   rotate q, k in qkv; store k, v          csrc/rotary_kv.c
- *   attn = decode attention of q            csrc/paged_attention.c
+ *   attn = decode attention of q            csrc/paged_attention.c: the decodes' rows
+ *          then prefill attention of q      csrc/prefill_attention.c: the prefills' rows
  *   hidden = attn . Wo^T (+ b)
  *   residual += hidden; hidden = rms_norm(residual) * post_norm
  *   gate_up = hidden . Wgu^T (+ b); act = silu(gate) * up; hidden = act . Wdown^T (+ b)
@@ -63,8 +67,9 @@ static int project(const int64_t *layer, int proj, void *out, const void *x, int
  * PS_BF16_DATA); scratch: T * (qkv width + heads * head_dim + 3 * inter) elements of it;
  * layers: [layers, DL_FIELDS]; kv_caches: [layers] pointers to [2, num_blocks, block_size,
  * kv_heads, head_dim] caches (PS_BF16_KV: bf16); cos, sin: the step's rotary rows (cs_stride
- * apart); slots: int64 [T]; block_tables, seq_lens, query_start_loc as the attention kernel's, every
- * sequence a decode; residual's contents are not read. Returns the first kernel status that is
+ * apart); slots: int64 [T]; block_tables, seq_lens, query_start_loc as the attention kernels';
+ * a step with prefills (T > sequences) needs a head_dim the prefill kernel takes (a multiple of
+ * 16); residual's contents are not read. Returns the first kernel status that is
  * not PS_OK. */
 int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
                               const int64_t *kv_caches, const int64_t *step, const void *cos,
@@ -80,6 +85,9 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
     char *qkv = scratch, *attn = qkv + tokens * qkv_n * elem, *gate_up = attn + tokens * q_size * elem;
     char *act = gate_up + tokens * 2 * inter * elem;
     if (tokens == 0) return PS_OK;
+    int prefills = 0;
+    for (int64_t s = 0; s < step[DS_SEQS] && !prefills; s++)
+        prefills = query_start_loc[s + 1] - query_start_loc[s] > 1;
     for (int64_t l = 0; l < step[DS_LAYERS]; l++) {
         const int64_t *layer = layers + l * DL_FIELDS;
         const void *input_norm = (const void *)(intptr_t)layer[DL_INPUT_NORM];
@@ -102,6 +110,13 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
                                                  query_start_loc, step[DS_SEQS], tokens, heads,
                                                  kv_heads, head_dim, scale, 0, 0.0f, data_dtypes,
                                                  num_threads));
+        if (prefills)  /* their rows, which the decode kernel left */
+            PS_TRY(pagedserve_paged_prefill_attention(attn, qkv, qkv_n, kv_cache, num_blocks,
+                                                      block_size, block_tables,
+                                                      step[DS_TABLE_WIDTH], seq_lens,
+                                                      query_start_loc, step[DS_SEQS], tokens, heads,
+                                                      kv_heads, head_dim, scale, 0, 0.0f,
+                                                      data_dtypes, num_threads));
         PS_TRY(project(layer, PROJ_O, hidden, attn, tokens, h, q_size, num_threads));
         PS_TRY(pagedserve_fused_add_rms_norm(hidden, residual, post_norm, tokens, h, eps, norm_dtypes,
                                              num_threads));

@@ -1,6 +1,6 @@
-"""Decode steps through every layer in one native call (kernels/decoder_layers.py): bit for bit the
-layer loop's hidden states and KV cache writes, for the quantized and dense models it takes, and
-the layer loop kept for everything else."""
+"""Steps through every layer in one native call (kernels/decoder_layers.py): bit for bit the layer
+loop's hidden states and KV cache writes, for the quantized and dense models it takes, and the
+layer loop kept for everything else."""
 from __future__ import annotations
 
 import json
@@ -44,27 +44,36 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _steps(model, dtype, kv_dtype, steps: int = 3):
-    """Prefills PROMPT_LENS through the layer loop, then decodes `steps` tokens each; yields each
-    decode step's operands (on the caches as they are before it)."""
+# Each step's query length per sequence: the three prompts prefill, decode, then a fourth
+# sequence's prompt arrives in two chunks (the second over its first's cached keys) beside the
+# decodes, and all four decode.
+STEPS = [PROMPT_LENS, [1, 1, 1], [1, 1, 1, 6], [1, 1, 1, 7], [1, 1, 1, 1]]
+
+
+def _steps(model, kv_dtype, steps=STEPS):
+    """Yields each step's operands (ids, positions, caches, metadata; the caches as they are
+    before it) for the query lengths of `steps`."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 32
     caches = [torch.zeros(model.kv_cache_shape(num_blocks, BLOCK_SIZE), dtype=kv_dtype)
               for _ in range(model.num_layers)]
     blocks = list(range(num_blocks))
     random.Random(0).shuffle(blocks)
-    tables = [blocks[i * 8:(i + 1) * 8] for i in range(len(PROMPT_LENS))]
-    vocab = model.vocab_size
-    ids = torch.randint(3, vocab, (sum(PROMPT_LENS),), generator=gen)
-    positions = torch.cat([torch.arange(n) for n in PROMPT_LENS])
-    prefill = AttentionMetadata.build(PROMPT_LENS, PROMPT_LENS, tables, BLOCK_SIZE)
-    assert model(ids, positions, caches, prefill).dtype == dtype
-    lens = list(PROMPT_LENS)
-    for _ in range(steps):
-        lens = [n + 1 for n in lens]
-        metadata = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK_SIZE)
-        ids = torch.randint(3, vocab, (len(lens),), generator=gen)
-        yield ids, torch.tensor([n - 1 for n in lens]), caches, metadata
+    tables = [blocks[i * 8:(i + 1) * 8] for i in range(4)]
+    lens: list[int] = []
+    for query_lens in steps:
+        lens = [n + q for n, q in zip(lens, query_lens)] + query_lens[len(lens):]
+        metadata = AttentionMetadata.build(query_lens, lens, tables[:len(lens)], BLOCK_SIZE)
+        ids = torch.randint(3, model.vocab_size, (sum(query_lens),), generator=gen)
+        positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, query_lens)])
+        yield ids, positions, caches, metadata
+
+
+def _decode_step(model):
+    """The operands of a decode step after the prompts' prefill (through the model)."""
+    steps = _steps(model, torch.float32)
+    model(*next(steps))
+    return next(steps)
 
 
 def _forward_both_ways(model, ids, positions, caches, metadata):
@@ -82,20 +91,38 @@ def _forward_both_ways(model, ids, positions, caches, metadata):
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32),
                                             (torch.float32, torch.bfloat16),
                                             (torch.bfloat16, torch.bfloat16)])
-def test_a_decode_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtype, kv_dtype, monkeypatch):
+def test_every_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtype, kv_dtype, monkeypatch):
+    """Prefills, decodes, and prompt chunks beside decodes (on a prompt's cached keys too)."""
     model = load_model(checkpoints[name], dtype=dtype)[0]
     stack = model.model.decoder_stack
     assert stack is not None
     ran = []
     run = stack.run
     monkeypatch.setattr(stack, "run", lambda *a: ran.append(run(*a)) or ran[-1])
-    for ids, positions, caches, metadata in _steps(model, dtype, kv_dtype):
+    for ids, positions, caches, metadata in _steps(model, kv_dtype):
         got, expected, looped = _forward_both_ways(model, ids, positions, caches, metadata)
+        assert got.dtype == dtype
         assert torch.equal(got, expected)
         for a, b in zip(caches, looped):
             assert torch.equal(a, b)
-    assert ran[0] is None  # the prefill took the layer loop
-    assert all(r is not None for r in ran[1:]) and len(ran) == 4
+    assert len(ran) == len(STEPS) and all(r is not None for r in ran)
+
+
+def test_prefills_keep_the_layer_loop_where_the_prefill_kernel_lacks_the_head_dim(tmp_path, monkeypatch):
+    """head_dim 40: decode attention takes it, the native prefill attention does not (nor, then,
+    the layer loop's), so only all-decode steps go through the stack."""
+    path = build_tiny_model(tmp_path / "hd40", "llama", seed=23, hidden_size=80, num_heads=2,
+                            num_kv_heads=1)
+    model = load_model(path, dtype="float32")[0]
+    stack = model.model.decoder_stack
+    assert stack is not None and not stack.takes_prefills
+    ran = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: ran.append(run(*a)) or ran[-1])
+    for ids, positions, caches, metadata in _steps(model, torch.float32):
+        got, expected, _ = _forward_both_ways(model, ids, positions, caches, metadata)
+        assert torch.equal(got, expected)
+    assert [r is not None for r in ran] == [q == [1] * len(q) for q in STEPS]
 
 
 @pytest.mark.parametrize("name", ["gptq-act-order", "gelu-mlp", "sliding-window"])
@@ -112,7 +139,7 @@ def test_the_setting_turns_it_off(checkpoints, monkeypatch):
 def test_operands_it_does_not_take_are_left_to_the_layer_loop(checkpoints):
     model = load_model(checkpoints["gguf-q4_1"], dtype="float32")[0]
     stack = model.model.decoder_stack
-    ids, positions, caches, metadata = next(_steps(model, torch.float32, torch.float32))
+    ids, positions, caches, metadata = _decode_step(model)
     hidden = model.model.embed_tokens(ids)
     cos, sin = model.model.rotary_emb(positions)
     assert stack.run(hidden.bfloat16(), cos, sin, caches, metadata) is None  # another dtype
@@ -123,7 +150,7 @@ def test_operands_it_does_not_take_are_left_to_the_layer_loop(checkpoints):
 
 def test_a_bad_block_table_is_an_error_not_a_stray_read(checkpoints):
     model = load_model(checkpoints["gguf-q4_1"], dtype="float32")[0]
-    ids, positions, caches, metadata = next(_steps(model, torch.float32, torch.float32))
+    ids, positions, caches, metadata = _decode_step(model)
     metadata.block_tables[1, 0] = 10_000
     with pytest.raises(ValueError, match="block table entry"):
         model(ids, positions, caches, metadata)
