@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from replicas.detokenizer import IncrementalDetokenizer
 from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from replicas.sampling_params import RequestOutputKind, SamplingParams
-from replicas.sequence import Sequence
+from replicas.sequence import FINISHED, Sequence
 
 # What a caller may pass as a prompt: text, token ids, or a dict of "prompt" / "prompt_token_ids"
 # (with the router's "block_hashes" where the ingress has them).
@@ -38,7 +38,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:
+            if seq.status not in FINISHED:
+                return False
+        return True
 
     @property
     def num_cached_tokens(self) -> int:
@@ -50,38 +53,42 @@ class Request:
         return self.sampling_params.output_kind is not RequestOutputKind.FINAL_ONLY or self.finished
 
     def output(self) -> RequestOutput:
-        delta = self.sampling_params.output_kind is RequestOutputKind.DELTA
-        if delta and not self.sent:
-            self.sent = [[0, 0, False] for _ in self.seqs]
-        want_logprobs = self.sampling_params.logprobs is not None
+        # Every step of a stream makes one for each of its requests: field values by position,
+        # each sequence's state read once.
+        params = self.sampling_params
+        delta = params.output_kind is RequestOutputKind.DELTA
+        sent_all = self.sent
+        if delta and not sent_all:
+            sent_all = self.sent = [[0, 0, False] for _ in self.seqs]
+        want_logprobs = params.logprobs is not None
         completions = []
+        finished = True  # every sequence
         for i, seq in enumerate(self.seqs):
+            status = seq.status
+            done = status in FINISHED
+            finished = finished and done
             detok = self.detokenizers[i]
-            finished = seq.is_finished
-            text = detok.visible_text(finished) if detok is not None else ""
+            text = detok.visible_text(done) if detok is not None else ""
             logprobs = self.logprobs[i] if want_logprobs else None
+            token_ids = seq.token_ids
+            num_prompt = seq.num_prompt_tokens
             if delta:  # only the new part: the cost follows the tokens made, not the length
-                sent = self.sent[i]
-                if sent[2] or (len(text) <= sent[0] and seq.num_output_tokens <= sent[1]
-                               and not finished):
+                sent = sent_all[i]
+                num_output = len(token_ids) - num_prompt
+                if sent[2] or (len(text) <= sent[0] and num_output <= sent[1] and not done):
                     continue  # nothing new for this completion
                 text = text[sent[0]:]
-                token_ids = seq.token_ids[seq.num_prompt_tokens + sent[1]:]
+                token_ids = token_ids[num_prompt + sent[1]:]
                 logprobs = logprobs[sent[1]:] if logprobs is not None else None
-                sent[0], sent[1], sent[2] = sent[0] + len(text), seq.num_output_tokens, finished
+                sent[0], sent[1], sent[2] = sent[0] + len(text), num_output, done
             else:
-                token_ids = seq.output_token_ids
+                token_ids = token_ids[num_prompt:]
                 logprobs = list(logprobs) if logprobs is not None else None
             completions.append(CompletionOutput(
-                index=i, text=text, token_ids=token_ids,
-                cumulative_logprob=self.cumulative_logprobs[i] if want_logprobs else None,
-                logprobs=logprobs,
-                finish_reason=seq.status.value if finished else None,
-                stop_reason=seq.stop_reason,
-            ))
+                i, text, token_ids, self.cumulative_logprobs[i] if want_logprobs else None,
+                logprobs, status.value if done else None, seq.stop_reason))
         first = self.num_outputs == 0
         self.num_outputs += 1
-        finished = self.finished
         metrics = None
         if finished:
             metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
@@ -89,10 +96,7 @@ class Request:
                        "num_generated_tokens": sum(s.num_output_tokens for s in self.seqs)}
         keep_prompt = first or not delta
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt if keep_prompt else None,
-            prompt_token_ids=self.prompt_token_ids if keep_prompt else [],
-            outputs=completions, finished=finished,
-            prompt_logprobs=self.prompt_logprobs if keep_prompt else None,
-            num_cached_tokens=self.num_cached_tokens,
-            num_prompt_tokens=len(self.prompt_token_ids), metrics=metrics,
-            embedding=self.embedding if finished else None)
+            self.request_id, self.prompt if keep_prompt else None,
+            self.prompt_token_ids if keep_prompt else [], completions, finished,
+            self.prompt_logprobs if keep_prompt else None, self.num_cached_tokens,
+            len(self.prompt_token_ids), metrics, self.embedding if finished else None)
