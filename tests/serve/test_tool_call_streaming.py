@@ -66,7 +66,10 @@ def test_streamed_calls_equal_the_whole_answer(client, tool_choice, extra, num_c
         assert calls[index] == {"name": call.function.name, "arguments": call.function.arguments}
         first, *rest = deltas[index]
         assert first.id and first.type == "function" and first.function.name == call.function.name
-        assert first.function.arguments == "" and len(rest) > 1  # streamed, not sent at the end
+        # How many fragments arrive depends on timing: an ingress that fell behind the engine
+        # sends the pending tokens as one delta (by design). That the parser streams arguments
+        # piece by piece is pinned with fixed delta sizes in tests/unit/test_tool_call_stream.py.
+        assert first.function.arguments == "" and rest
         assert all(d.id is None and d.function.name is None for d in rest)
         if finish == "tool_calls":
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
