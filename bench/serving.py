@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -58,9 +59,11 @@ def flop_basis(args, model_dir: str) -> FlopBasis | None:
 class Server:
     """One server process group on 127.0.0.1:port; stopped (SIGTERM, then SIGKILL) on exit."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_path: Path, cwd: Path = ROOT):
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log_path: Path, cwd: Path = ROOT,
+                 scratch: Path | None = None):
         self.name, self.cmd, self.env, self.port, self.cwd = name, cmd, env, port, cwd
         self.log_path = log_path
+        self.scratch = scratch  # removed once the server has stopped
         self.base_url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> "Server":
@@ -96,6 +99,8 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
@@ -109,13 +114,15 @@ def pagedserve_server(args, model_dir: str, port: int, workdir: Path) -> Server:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     # A Ray instance of its own: a private temp dir hides any cluster started with `ray start`.
-    env.update(RAY_TMPDIR=str(workdir / "ray"), RAY_USAGE_STATS_ENABLED="0",
+    # A short one: Ray's Unix sockets live under it, and a path past their 107-byte limit (the
+    # benchmark's own work dir was) costs the start a minute (the dashboard fails after a wait).
+    ray_dir = Path(tempfile.mkdtemp(prefix="psray-"))
+    env.update(RAY_TMPDIR=str(ray_dir), RAY_USAGE_STATS_ENABLED="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    (workdir / "ray").mkdir()
     serve = Path(sys.executable).parent / "serve"
     return Server("pagedserve", [str(serve), "run", "serve_app:app",
                                  *(f"{key}={value}" for key, value in settings.items())],
-                  env, port, workdir / "pagedserve.log")
+                  env, port, workdir / "pagedserve.log", scratch=ray_dir)
 
 
 def vllm_server(args, model_dir: str, port: int, workdir: Path) -> Server:
