@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from serve_app import errors
 from serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
@@ -20,6 +20,7 @@ from serve_app.errors import OpenAIError
 from serve_app.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
                                 ModelList, TokenizeRequest, TokenizeResponse)
+from serve_app.sse import CoalescingStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,9 @@ async def _sse(chunks: AsyncIterator) -> AsyncIterator[str]:
 def _result(result) -> Response:
     if isinstance(result, (CompletionResponse, ChatCompletionResponse)):
         return _json(result)
-    return StreamingResponse(_sse(result), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return CoalescingStreamingResponse(_sse(result), media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache",
+                                                "X-Accel-Buffering": "no"})
 
 
 def build_http_app(ingress) -> FastAPI:
