@@ -29,6 +29,7 @@ import socket
 from collections.abc import Callable
 
 from replicas import core_wire as wire
+from replicas.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -197,26 +198,27 @@ class CoreChannels:
             self.abandoned = []
         return abandoned
 
-    def send(self, outputs: list, errors: list[tuple[str, BaseException]],
+    def send(self, outputs: list[tuple], errors: list[tuple[str, BaseException]],
              step_report: Callable[[], tuple] | None = None
              ) -> tuple[list, list, list[str], list[str]]:
-        """Send every routed output of a step, and the errors of requests that came on a
-        channel, to their channel, each frame with the step's `step_report()` (the replica's
-        load for the ingress's router, taken once a step has something to send): (the outputs
-        and the errors that stay with the replica, the ids of requests routed here by Ray that
-        finished, the ids of those lost with a subscriber that could not take them)."""
+        """Send every routed output of a step (`RequestOutput.wire()` values), and the errors of
+        requests that came on a channel, to their channel, each frame with the step's
+        `step_report()` (the replica's load for the ingress's router, taken once a step has
+        something to send): (the outputs and the errors that stay with the replica, the ids of
+        requests routed here by Ray that finished, the ids of those lost with a subscriber that
+        could not take them)."""
         if not self._routes:
             return outputs, errors, [], []
         rest, done, by_channel = [], [], {}
         routes, direct = self._routes, self._direct
         for output in outputs:
-            request_id = output.request_id
+            request_id = output[0]
             channel_id = routes.get(request_id)
             if channel_id is None:
                 rest.append(output)
                 continue
-            by_channel.setdefault(channel_id, ([], []))[0].append(output.wire())
-            if output.finished:
+            by_channel.setdefault(channel_id, ([], []))[0].append(output)
+            if RequestOutput.finished_on_wire(output):
                 del routes[request_id]
                 if request_id in direct:
                     direct.discard(request_id)

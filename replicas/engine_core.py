@@ -92,6 +92,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         from replicas.engine import LLMEngine
         self.engine = LLMEngine(config)
+        self.engine.wire_outputs = True  # sent as they are (`RequestOutput.wire()` values)
         self.cpus = _bind(config, self.engine)
         self.last_generation_time: float | None = None
         self._held: dict[str, tuple] = {}  # ADDs from the replica past max_ongoing_requests
@@ -317,7 +318,7 @@ class EngineCore:
                                       or stats.get("kv_working_set"))
         if outputs or self._errors or stats is not None or done:
             errors, self._errors = self._errors, []
-            conn.send((wire.STEP, [output.wire() for output in outputs],
+            conn.send((wire.STEP, outputs,
                        [(request_id, wire.portable(exc)) for request_id, exc in errors], stats,
                        done))
 
