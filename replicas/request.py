@@ -57,7 +57,8 @@ class Request:
 
     def wire_output(self) -> tuple:
         """`output().wire()`, made directly: the engine core sends nothing else, and every step
-        of a stream makes one for each of its requests (the objects cost a third of it)."""
+        of a stream makes one for each of its requests (1.3 -> 0.8 µs a one-token delta without
+        the objects)."""
         params = self.sampling_params
         delta = params.output_kind is RequestOutputKind.DELTA
         sent_all = self.sent
