@@ -86,7 +86,7 @@ class Request:
                 logprobs = logprobs[sent[1]:] if logprobs is not None else None
                 sent[0], sent[1], sent[2] = sent[0] + len(text), num_output, done
             else:
-                token_ids = token_ids[num_prompt:]
+                token_ids = seq.output_token_ids
                 logprobs = list(logprobs) if logprobs is not None else None
             completions.append((i, text, token_ids,
                                 self.cumulative_logprobs[i] if want_logprobs else None, logprobs,
