@@ -117,11 +117,16 @@ class IncrementalDetokenizer:
         if skip_last:
             new_token_ids.pop()
         old_len = len(self.text)
-        for token_id in new_token_ids:
-            self.num_output_tokens += 1
-            self.text += self._step(token_id)
-            if self.num_output_tokens <= self.min_tokens:
-                self._unchecked_from = len(self.text)
+        if (len(new_token_ids) > 1 and not self.stop and not self._raw_added
+                and self.num_output_tokens >= self.min_tokens):
+            self.num_output_tokens += len(new_token_ids)
+            self.text += self._steps(new_token_ids)
+        else:
+            for token_id in new_token_ids:
+                self.num_output_tokens += 1
+                self.text += self._step(token_id)
+                if self.num_output_tokens <= self.min_tokens:
+                    self._unchecked_from = len(self.text)
         self.num_output_tokens += skip_last
         if stop_terminated:
             self._unchecked_from = len(self.text)
@@ -176,6 +181,32 @@ class IncrementalDetokenizer:
                 self._prefix_offset = 0
         if self._raw_added:
             self._last_added = token_id in self._raw_added
+        return piece
+
+    def _steps(self, token_ids: list[int]) -> str:
+        """What `_step` would add token by token, from one decode of the window with all of them
+        (a stream's coalesced delta: the ingress decodes its text, `serve_app/stream_text.py`):
+        the window's text is the same however it grew. Token by token where the new text holds
+        a broken character (unfinished at its end, or bytes that are no character: how many
+        U+FFFD those read as depends on the window) or is empty, so that it is `_step`'s there."""
+        ids = self._ids
+        mark = len(ids)
+        ids.extend(token_ids)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset:])
+        piece = new_text[len(self._prefix_text):]
+        if not piece or _REPLACEMENT in piece:
+            del ids[mark:]
+            return "".join([self._step(token_id) for token_id in token_ids])
+        # The next window starts where this piece does: on a character's edge (a window that
+        # starts inside one, at a byte-fallback token, decodes it differently).
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        self._prefix_text = None
+        if self._prefix_offset >= _TRIM_AT:
+            del ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
         return piece
 
     def _raw_special(self, token_id: int, piece: str, single: bool) -> str:

@@ -38,6 +38,7 @@ from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, Detoke
 from serve_app.replica_stream import (OutputChannels, ReplicaStream, as_own_call, map_replica_error,
                                       merge_streams)
 from serve_app.stream_pacer import StreamPacer
+from serve_app.stream_text import StreamText, take_text
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Ingress:
                                            p, request, request.max_tokens, request.logprobs,
                                            prompt_logprobs, info, "prompt")
                     for i, p in enumerate(prompts)]
-        replica_streams = await self._start(generate, deadline)
+        replica_streams = await self._start(generate, info.tokenizer, deadline)
         formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
         merged = merge_streams(replica_streams)
         if request.stream:
@@ -182,7 +183,7 @@ class Ingress:
         started = time.monotonic()
         generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
                                           num_top if request.logprobs else None, None, info, "messages")
-        replica_streams = await self._start([generate], deadline)
+        replica_streams = await self._start([generate], info.tokenizer, deadline)
         formatter = formatters.ChatFormatter(request, info, request_id, sse, tools)
         merged = merge_streams(replica_streams)
         if request.stream:
@@ -285,6 +286,7 @@ class Ingress:
             raise errors.bad_request(str(exc), exc.param) from None
         # A stream wants each step's new tokens; a whole response only the finished request.
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        take_text(params)
         return GenerateRequest(request_id, prompt.token_ids, params, prompt.text,
                                block_hashes(prompt.token_ids, info.block_size),
                                self.channels.channel_id, request.priority)
@@ -302,14 +304,17 @@ class Ingress:
         except TimeoutError:
             raise errors.request_timeout(self.settings.request_timeout_s) from None
 
-    async def _start(self, requests: list[GenerateRequest], deadline: float | None = None
+    async def _start(self, requests: list[GenerateRequest], tokenizer, deadline: float | None = None
                      ) -> list[ReplicaStream]:
-        """Send every prompt to a replica and wait for each first delta (errors surface here)."""
+        """Send every prompt to a replica and wait for each first delta (errors surface here);
+        `tokenizer` decodes the text of those whose text the ingress makes (`stream_text`)."""
         send = self.replica_stream.generate.remote
         calls = [functools.partial(send, r) for r in requests]
         if len(calls) > 1:
             calls = [as_own_call(call, i) for i, call in enumerate(calls)]
-        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer, r)
+        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer, r,
+                                 None if r.params.detokenize
+                                 else StreamText(tokenizer, r.prompt_token_ids, r.params))
                    for call, r in zip(calls, requests)]
         try:
             results = await self._within(

@@ -21,6 +21,7 @@ from serve_app.core_dispatch import CoreDispatch, CoreLink, Dispatched
 from serve_app.errors import OpenAIError
 from serve_app.routing import replica_events
 from serve_app.stream_pacer import StreamPacer
+from serve_app.stream_text import StreamText
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class ReplicaStream:
 
     def __init__(self, send: Callable[[], Any], map_error: Callable[[BaseException], BaseException],
                  channels: OutputChannels, request_id: str, pacer: StreamPacer | None = None,
-                 request: GenerateRequest | None = None):
+                 request: GenerateRequest | None = None, text: StreamText | None = None):
         self.send = send  # returns a DeploymentResponseGenerator
         self.request = request  # set: try the cores' channels first (`core_dispatch.py`)
         self.dispatched: Dispatched | None = None  # the core channel that took it
@@ -204,6 +205,7 @@ class ReplicaStream:
         self.call_id: str | None = None  # Ray Serve's internal request id of the call
         self._pump_task: asyncio.Task | None = None  # held: the loop keeps only weak references
         self.pacer = pacer or StreamPacer(0)
+        self.text = text  # set: the engine sends token ids, the text is made here
 
     async def prime(self) -> None:
         try:
@@ -275,10 +277,13 @@ class ReplicaStream:
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         output, self.first = self.first, None
         pacer = self.pacer
+        text = self.text
         pacer.num_streams += 1
         try:
             while True:
                 sent = time.monotonic()
+                if text is not None:
+                    text.fill(output)
                 yield output
                 pacer.sent()
                 if output.finished:

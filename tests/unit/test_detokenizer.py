@@ -207,3 +207,93 @@ def test_check_stop_with_stop_strings_given_late(tokenizer):
     assert stop == "fox" and detok.text == "the quick brown "
     assert all(detok.text.startswith(s) for s in seen)
     assert detok.check_stop(["fox"], False) == "fox"
+
+
+# ---- many tokens at once (a coalesced stream's delta, decoded in the ingress) -----------------
+
+def _sentencepiece_like():
+    """Llama-2's decoding: "▁" for spaces, bytes for characters outside the vocabulary, the
+    window's first leading space stripped."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz.", "lo", "wo", "wor"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("l", "o"), ("w", "o"), ("wo", "r")],
+                               byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _wordpiece_like():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(
+        ["hello", "world", "the", "quick", "##s", "##ing", ".", ",", "stop", "na", "##ive"])}}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece"])
+def test_many_tokens_at_once_give_the_token_by_token_text(tokenizer, kind):
+    tok = {"byte-level": tokenizer, "sentencepiece": _sentencepiece_like(),
+           "wordpiece": _wordpiece_like()}[kind]
+    texts = [random_text(random.Random(i), 12) for i in range(40)]
+    if kind == "wordpiece":
+        texts = ["the quick hellos, naive world. stop walking" * 3, "hello.world,the"]
+    rng = random.Random(3)
+    for text in texts:
+        encode = (tok.encode(text, add_special_tokens=False) if kind == "byte-level"
+                  else tok.encode(text).ids)
+        cut = 3  # a prompt made from text ends on a character's edge
+        while (kind == "sentencepiece" and cut < len(encode)
+               and 0x80 <= _byte(tok, encode[cut]) < 0xC0):
+            cut += 1
+        prompt, output = encode[:cut], encode[cut:]
+        one = IncrementalDetokenizer(tok, prompt)
+        by_one = [one.append([t]) for t in output]
+        many = IncrementalDetokenizer(tok, prompt)
+        pieces, i = [], 0
+        while i < len(output):
+            n = rng.randint(2, 9)
+            pieces.append(many.append(output[i:i + n]))
+            i += n
+        assert "".join(pieces) == many.text == one.text == "".join(by_one)
+        assert all(not p.endswith("\ufffd") for p in pieces)
+        assert many.num_output_tokens == len(output)
+
+
+def _byte(tok, token_id: int) -> int:
+    piece = tok.id_to_token(token_id)
+    return int(piece[3:5], 16) if piece.startswith("<0x") else -1
+
+
+def test_many_tokens_at_once_match_token_by_token_on_random_ids(tokenizer):
+    """What a random model writes: byte pieces of no character, special tokens."""
+    rng = random.Random(11)
+    for _ in range(300):
+        prompt = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(0, 6))]
+        output = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        skip = rng.random() < 0.5
+        one = IncrementalDetokenizer(tokenizer, prompt, skip)
+        for token_id in output:
+            one.append([token_id])
+        many = IncrementalDetokenizer(tokenizer, prompt, skip)
+        i = 0
+        while i < len(output):
+            n = rng.randint(1, 9)
+            many.append(output[i:i + n])
+            i += n
+        assert many.text == one.text
+
+
+def test_many_tokens_at_once_hold_an_unfinished_character(tokenizer):
+    ids = tokenizer.encode("ab日🙂", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert detok.append(ids[:-1]) == "ab日"  # the emoji's last byte is still to come
+    assert detok.append(ids[-1:]) == "🙂"
