@@ -7,11 +7,12 @@ previous event left less than `open streams / events_per_s` ago (and never more 
 `max_delay_s`) waits out the rest, then sends everything that piled up as one event; a lone
 stream, or one slower than its share, never waits.
 
-The budget is measured, not guessed (unless `events_per_s` is given): each window, this process's
-CPU time per event sent, and the events per second that keep it at `cpu_share` of a core. It
-holds streams back only while the ingress really uses that share (and until it falls below
-RELEASE of it): below, waiting would add latency and save nothing. A fast machine gets a large
-budget, a small one a tight one; an idle ingress keeps its last estimate.
+The budget is measured, not guessed (unless `events_per_s` is given): in each window where it
+is not holding streams back, this process's CPU time per event sent, and the events per second
+that keep it at `cpu_share` of a core. It holds streams back only while the ingress really uses
+that share (and until it falls below RELEASE of it): below, waiting would add latency and save
+nothing. A fast machine gets a large budget, a small one a tight one; an idle ingress keeps its
+last estimate.
 """
 from __future__ import annotations
 
@@ -60,9 +61,14 @@ class StreamPacer:
         cpu = self._cpu_clock()
         if self._window_events >= MIN_EVENTS_PER_WINDOW:
             cpu_used = cpu - self._window_cpu
-            cpu_per_event = max(cpu_used / self._window_events, 1e-9)
-            self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
-                                    MAX_EVENTS_PER_S)
+            if not self.pacing:
+                # Measured only while events flow freely: paced, the work that does not follow
+                # the events (taking requests, reading the engines' outputs) spreads over fewer
+                # of them, and each window would read a dearer event and tighten the budget
+                # again, down to max_delay_s, saving nothing (seen: 19 tokens an event).
+                cpu_per_event = max(cpu_used / self._window_events, 1e-9)
+                self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
+                                        MAX_EVENTS_PER_S)
             usage = cpu_used / (now - self._window_start)  # cores
             self.pacing = usage >= self.cpu_share * (RELEASE if self.pacing else 1.0)
         self._window_start, self._window_cpu, self._window_events = now, cpu, 0

@@ -184,6 +184,26 @@ def test_an_adaptive_pacer_holds_streams_back_only_while_the_ingress_uses_its_sh
     assert not pacer.pacing and pacer.interval_s() == 0
 
 
+def test_a_paced_window_leaves_the_budget_as_measured_unpaced():
+    """Paced, fewer events carry the work that does not follow them (requests, the engines'
+    outputs): a dearer event read then must not tighten the budget further."""
+    clock = {"ms": 0, "cpu": 0.0}
+    pacer = StreamPacer(cpu_share=0.5, clock=lambda: clock["ms"] / 1000,
+                        cpu_clock=lambda: clock["cpu"])
+
+    def second(events: int, cores: float):
+        for _ in range(events):
+            clock["ms"] += 1000 // events
+            clock["cpu"] += cores / events
+            pacer.sent()
+
+    second(1000, 0.8)  # free: 0.8 ms an event, over the share
+    assert pacer.pacing and pacer.events_per_s == pytest.approx(625)
+    for _ in range(5):  # paced: half the events, the same CPU
+        second(500, 0.8)
+    assert pacer.pacing and pacer.events_per_s == pytest.approx(625)
+
+
 def test_a_consumer_that_leaves_early_cancels_the_call():
     call = FakeCall([delta("r", c) for c in "abcdef"])
 
