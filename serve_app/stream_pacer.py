@@ -8,11 +8,11 @@ previous event left less than `open streams / events_per_s` ago (and never more 
 stream, or one slower than its share, never waits.
 
 The budget is measured, not guessed (unless `events_per_s` is given): in each window where it
-is not holding streams back, this process's CPU time per event sent, and the events per second
-that keep it at `cpu_share` of a core. It holds streams back only while the ingress really uses
-that share (and until it falls below RELEASE of it): below, waiting would add latency and save
-nothing. A fast machine gets a large budget, a small one a tight one; an idle ingress keeps its
-last estimate.
+is not holding streams back (one in PROBE_EVERY while it does), this process's CPU time per event
+sent, and the events per second that keep it at `cpu_share` of a core. It holds streams back only
+while the ingress really uses that share (and until it falls below RELEASE of it): below,
+waiting would add latency and save nothing. A fast machine gets a large budget, a small one a
+tight one; an idle ingress keeps its last estimate.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ RELEASE = 0.8  # pacing, once on, stays on until the ingress uses less than this
 MAX_DELAY_S = 0.02
 WINDOW_S = 1.0
 MIN_EVENTS_PER_WINDOW = 100  # fewer say little about the cost of one
+# While pacing, one window in this many lets streams run free to measure an event's cost again:
+# paced windows cannot (below), and the load may have changed since.
+PROBE_EVERY = 5
 
 
 class StreamPacer:
@@ -43,10 +46,12 @@ class StreamPacer:
         self._clock, self._cpu_clock = clock, cpu_clock
         self._window_start, self._window_cpu = clock(), cpu_clock()
         self._window_events = 0
+        self._paced_windows = 0
+        self._probing = False  # this window runs free, to measure
 
     def interval_s(self) -> float:
         """How long a stream waits after its previous event before the next."""
-        if not self.events_per_s or not self.pacing:
+        if not self.events_per_s or not self.pacing or self._probing:
             return 0.0
         return min(self.num_streams / self.events_per_s, self.max_delay_s)
 
@@ -61,7 +66,8 @@ class StreamPacer:
         cpu = self._cpu_clock()
         if self._window_events >= MIN_EVENTS_PER_WINDOW:
             cpu_used = cpu - self._window_cpu
-            if not self.pacing:
+            usage = cpu_used / (now - self._window_start)  # cores
+            if not self.pacing or self._probing:
                 # Measured only while events flow freely: paced, the work that does not follow
                 # the events (taking requests, reading the engines' outputs) spreads over fewer
                 # of them, and each window would read a dearer event and tighten the budget
@@ -69,6 +75,9 @@ class StreamPacer:
                 cpu_per_event = max(cpu_used / self._window_events, 1e-9)
                 self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
                                         MAX_EVENTS_PER_S)
-            usage = cpu_used / (now - self._window_start)  # cores
-            self.pacing = usage >= self.cpu_share * (RELEASE if self.pacing else 1.0)
+                self.pacing, self._probing = usage >= self.cpu_share, False
+            else:
+                self.pacing = usage >= self.cpu_share * RELEASE
+                self._paced_windows += self.pacing
+                self._probing = self.pacing and self._paced_windows % PROBE_EVERY == 0
         self._window_start, self._window_cpu, self._window_events = now, cpu, 0

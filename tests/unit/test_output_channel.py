@@ -197,11 +197,18 @@ def test_a_paced_window_leaves_the_budget_as_measured_unpaced():
             clock["cpu"] += cores / events
             pacer.sent()
 
+    pacer.num_streams = 32
     second(1000, 0.8)  # free: 0.8 ms an event, over the share
     assert pacer.pacing and pacer.events_per_s == pytest.approx(625)
     for _ in range(5):  # paced: half the events, the same CPU
+        assert pacer.interval_s() > 0
         second(500, 0.8)
     assert pacer.pacing and pacer.events_per_s == pytest.approx(625)
+    # Every fifth paced window, the next runs free and measures again (the load changes).
+    assert pacer.interval_s() == 0
+    second(1000, 0.6)
+    assert pacer.pacing and pacer.events_per_s == pytest.approx(0.5 / 0.0006)
+    assert pacer.interval_s() > 0
 
 
 def test_a_consumer_that_leaves_early_cancels_the_call():
