@@ -64,12 +64,14 @@ def build_tiny(out_dir: str) -> str:
     return out_dir
 
 
-def serving_cpu_seconds() -> dict[str, float]:
+def serving_cpu_seconds() -> dict[int, tuple[str, float]]:
     """CPU seconds used so far by every process this one started (Ray's, not the load client),
-    by process title (`ray::ServeReplica:pagedserve:Ingress`, `ray::ProxyActor`, raylet, ...)."""
+    by pid, with its title (`ray::ServeReplica:pagedserve:Ingress`, `ray::ProxyActor`, raylet,
+    ...). By pid: a process retitles itself when Ray hands it an actor, and a title's earlier
+    reading would then be missing, its whole life counted (idle cores read negative)."""
     import psutil
 
-    by_name: dict[str, float] = {}
+    by_pid: dict[int, tuple[str, float]] = {}
     for child in psutil.Process().children(recursive=True):
         try:
             times = child.cpu_times()
@@ -82,8 +84,8 @@ def serving_cpu_seconds() -> dict[str, float]:
                 name = child.name()
         except psutil.Error:  # exited meanwhile
             continue
-        by_name[name] = by_name.get(name, 0.0) + times.user + times.system
-    return by_name
+        by_pid[child.pid] = (name, times.user + times.system)
+    return by_pid
 
 
 def offline_child(args) -> None:
@@ -151,7 +153,10 @@ async def run_serving_round(base_url: str, model: str, requests, concurrency: in
         results = await asyncio.gather(*(gated(client, p, n) for p, n in requests))
         seconds = time.perf_counter() - start
         cpu_after, client_cpu_s = serving_cpu_seconds(), time.process_time() - client_before
-        cpu_by_process = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
+        cpu_by_process: dict[str, float] = {}
+        for pid, (name, used) in cpu_after.items():
+            cpu_by_process[name] = (cpu_by_process.get(name, 0.0) + used
+                                    - cpu_before.get(pid, (name, 0.0))[1])
         cpu_seconds = sum(cpu_by_process.values())
     ttfts = sorted(r[2] for r in results)
     # Inter-event latency as `vllm bench serve` counts it: the gaps between a stream's chunks.
