@@ -19,7 +19,8 @@ def tokenizer(tmp_path_factory):
 def test_takes_only_requests_whose_text_the_engine_does_not_need():
     plain = SamplingParams(max_tokens=4)
     assert take_text(plain) and not plain.detokenize
-    for params in (SamplingParams(max_tokens=4, stop=["\n"]), SamplingParams(max_tokens=4, stop="x"),
+    for params in (SamplingParams(max_tokens=4, stop=["\n"]),
+                   SamplingParams(max_tokens=4, stop="x"),
                    SamplingParams(max_tokens=4,
                                   structured_outputs=StructuredOutputsParams(regex="[ab]+"))):
         assert not take_text(params) and params.detokenize
