@@ -161,24 +161,34 @@ class IncrementalDetokenizer:
             return self.text
         return self.text[:max(len(self.text) - self._hold_back, 0)]
 
+    def _window_text(self) -> str:
+        """The decode of the whole window; `_prefix_text` is its emitted part's."""
+        ids = self._ids
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        return self._decode(ids[self._prefix_offset:])
+
+    def _emitted(self) -> None:
+        """The window's new ids were emitted: the next window starts where they did."""
+        ids = self._ids
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        self._prefix_text = None
+        if self._prefix_offset >= _TRIM_AT:
+            del ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
     def _step(self, token_id: int) -> str:
         ids = self._ids
         ids.append(token_id)
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(ids[self._prefix_offset:])
+        new_text = self._window_text()
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
             piece = ""
         else:
             piece = new_text[len(self._prefix_text):]
             if self._raw_added:
                 piece = self._raw_special(token_id, piece, single=len(ids) - self._read_offset == 1)
-            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-            self._prefix_text = None
-            if self._prefix_offset >= _TRIM_AT:
-                del ids[:self._prefix_offset]
-                self._read_offset -= self._prefix_offset
-                self._prefix_offset = 0
+            self._emitted()
         if self._raw_added:
             self._last_added = token_id in self._raw_added
         return piece
@@ -192,21 +202,13 @@ class IncrementalDetokenizer:
         ids = self._ids
         mark = len(ids)
         ids.extend(token_ids)
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(ids[self._prefix_offset:])
-        piece = new_text[len(self._prefix_text):]
+        piece = self._window_text()[len(self._prefix_text):]
         if not piece or _REPLACEMENT in piece:
             del ids[mark:]
             return "".join([self._step(token_id) for token_id in token_ids])
         # The next window starts where this piece does: on a character's edge (a window that
         # starts inside one, at a byte-fallback token, decodes it differently).
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._prefix_text = None
-        if self._prefix_offset >= _TRIM_AT:
-            del ids[:self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
+        self._emitted()
         return piece
 
     def _raw_special(self, token_id: int, piece: str, single: bool) -> str:
