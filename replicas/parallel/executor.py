@@ -65,8 +65,9 @@ class Workers:
                 for rank in range(1, world_size)]
         self._handles = self._start_ray(args, device) if self.ray else self._start_local(args)
         self.tp = self._join(address, world_size, device)
-        # An engine dropped (or left at exit) without shutdown(): its ranks end at once.
-        self._finalizer = weakref.finalize(self, _stop, self.ray, self._handles, 0.0)
+        # An engine dropped (or left at exit) without shutdown(): it leaves the group, so that
+        # another engine in this process can make one, and its ranks end at once.
+        self._finalizer = weakref.finalize(self, _release, self.ray, self._handles, self.tp.group)
 
     def start(self, num_blocks: int) -> None:
         """After the model is loaded everywhere: the KV cache size every rank allocates."""
@@ -89,9 +90,8 @@ class Workers:
                 self._broadcast(None)
         except Exception:  # noqa: BLE001 - a broken group: the ranks are stopped below anyway
             logger.debug("stop message failed", exc_info=True)
-        parallel_state.destroy()
         self._finalizer.detach()
-        _stop(self.ray, self._handles, STOP_TIMEOUT_S)
+        _release(self.ray, self._handles, self.tp.group, STOP_TIMEOUT_S)
 
     # -- internals ----------------------------------------------------------------------------
     def _broadcast(self, obj) -> None:
@@ -180,6 +180,13 @@ class Workers:
                 except Exception as exc:  # noqa: BLE001 - the actor's death is the answer
                     return rank, f"its actor died: {type(exc).__name__}"
         return None
+
+
+def _release(ray_actors: bool, handles, group, wait_s: float = 0.0) -> None:
+    """Leave the driver's group, then stop the ranks; takes no Workers, so that the finalizer
+    holding it does not keep the Workers alive."""
+    parallel_state.destroy(group)
+    _stop(ray_actors, handles, wait_s)
 
 
 def _stop(ray_actors: bool, handles, wait_s: float) -> None:

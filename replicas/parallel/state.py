@@ -116,7 +116,9 @@ def init(rank: int, world_size: int, address: str, device: torch.device,
     return TensorParallel(rank, world_size, group, cpu_group)
 
 
-def destroy() -> None:
+def destroy(group: Any) -> None:
+    """Leave this process's group if it is still `group` (the one `init` made): a finalizer that
+    runs late must not end a newer engine's group."""
     import torch.distributed as dist
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()

@@ -4,21 +4,24 @@ a replicated KV head (1 KV head over 2 ranks), Qwen2 (tied embeddings, q/k/v bia
 Qwen3 and Phi-3 (checkpoint-fused projections), and a vocabulary of odd size,
 in the default mode and with chunked prefill under forced preemption; each rank holds about half
 of the weights; bad sizes fail at once naming both numbers; a rank that dies fails the health
-check and the next step instead of hanging them."""
+check and the next step instead of hanging them; an LLM dropped without shutdown() frees its
+group for the next one."""
 from __future__ import annotations
 
+import gc
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from replicas import LLM, SamplingParams
 from replicas.model_loader import iterate_weights, load_config, weight_files
 from replicas.models import get_model_class
 from replicas.parallel import state as parallel_state
 from replicas.parallel.sharding import check_tensor_parallel, check_world_size
-from tests.engine.tp_checks import (ENGINE, MODES, assert_same_outputs, generate,
+from tests.engine.tp_checks import (ENGINE, MAX_TOKENS, MODES, assert_same_outputs, generate,
                                     transformers_reference)
 from tests.tiny_models import build_tiny_family, build_tiny_model
 
@@ -130,3 +133,28 @@ def test_a_dead_rank_fails_the_health_check_and_the_next_step(models):
         assert time.monotonic() - start < 30  # a failed step, not a collective timeout
     finally:
         llm.shutdown()
+
+
+def test_a_dropped_llm_releases_its_group_for_the_next(models):
+    """`del llm` without shutdown(): collecting it must free the process's group (and end its
+    ranks), or the next tensor-parallel LLM in this process cannot join one; shutdown() then
+    collection releases nothing twice."""
+    model = models("llama_kv2")
+    prompts, max_tokens = model.prompts[:2], MAX_TOKENS[:2]
+    llm = LLM(model.path, tensor_parallel_size=2, **ENGINE, num_kv_blocks=16)
+    first = generate(llm, prompts, max_tokens, prompt_logprobs=False)
+    ranks = list(llm.llm_engine.runner.workers._handles)
+    del llm
+    gc.collect()
+    assert all(process.poll() is not None for process in ranks)
+    llm = LLM(model.path, tensor_parallel_size=2, **ENGINE, num_kv_blocks=16)
+    try:
+        second = generate(llm, prompts, max_tokens, prompt_logprobs=False)
+    finally:
+        llm.shutdown()
+    llm.shutdown()
+    del llm
+    gc.collect()
+    assert not dist.is_initialized()
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in first] == model.expected[:2]
