@@ -5,11 +5,11 @@ stored/removed/cleared events of the last few seconds, numbered, and a full snap
 block hashes (free-but-still-cached blocks included: they are still hits) only when a reader may
 need one to resync. Events rather than a snapshot every second because the cost then follows the
 churn (a few hundred blocks a second) instead of the cache size (tens to hundreds of thousands of
-blocks), and Ray Serve copies, hashes and re-broadcasts every digest to every router; and since
+blocks), and every digest goes to every ingress; and since
 the snapshot is rare it need not be capped, so the router's mirror is exact at any cache size.
 
-Pure Python: no torch, no ray. The deployment shim calls `RoutingReporter.report` and
-`autoscaling_stats`.
+Pure Python: no torch, no ray. The engine core sends `RoutingReporter.report` to its ingresses;
+the replica's `record_autoscaling_stats` is `autoscaling_stats` of the core's stats.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class QueueDepth:
 
 class StepReport(NamedTuple):
     """What each engine step's outputs tell the routers of the ingresses they go to (on an
-    engine core's output channels): the replica's queue as of the step's end, milliseconds old
+    engine core's connections): the replica's queue as of the step's end, milliseconds old
     where a digest is up to a second old (`serve_app.routing.load`)."""
     time: float  # the wall clock (as a digest's "time" is) when the counts below were closed
     num_requests: int  # waiting + running: QueueDepth.num_requests
@@ -63,32 +63,31 @@ class StepReport(NamedTuple):
     queued_prefill_blocks: int  # Scheduler.queued_prefill_tokens, in blocks
 
 
-def step_report(engine, num_held: int = 0, now: float | None = None) -> StepReport:
+def step_report(engine, now: float | None = None) -> StepReport:
     """`engine` (an LLMEngine, or anything with its `scheduler`, `num_waiting`, `num_arrived` and
-    `block_size`) as of `now` (None: the wall clock's); num_held: requests that wait outside it
-    (the core's)."""
+    `block_size`) as of `now` (None: the wall clock's)."""
     scheduler = engine.scheduler
     return StepReport(time.time() if now is None else now,
-                      engine.num_waiting + num_held + scheduler.num_running, engine.num_arrived,
+                      engine.num_waiting + scheduler.num_running, engine.num_arrived,
                       scheduler.queued_prefill_tokens() // engine.block_size)
 
 
 class RoutingReporter:
-    """`record_routing_stats()` of one AsyncEngine; any engine with `stats()` works (one without
-    `.engine.block_manager` has no prefix cache, and publishes its queue depth only). It holds the
-    stream's state, so a replica keeps one for its lifetime."""
+    """The routing digest of one engine core (anything with `stats()` and `.engine`; an engine
+    without a `block_manager` has no prefix cache, and publishes its queue depth only). It holds
+    the stream's state, so a core keeps one for its lifetime."""
 
-    def __init__(self, async_engine, *, wall_clock: Callable[[], float] = time.time, **publisher):
-        self.async_engine = async_engine
+    def __init__(self, core, *, wall_clock: Callable[[], float] = time.time, **publisher):
+        self.core = core
         self.wall_clock = wall_clock
-        block_manager = getattr(getattr(async_engine, "engine", None), "block_manager", None)
+        block_manager = getattr(getattr(core, "engine", None), "block_manager", None)
         self.block_size = getattr(block_manager, "block_size", None)
         self.publisher = (KVEventPublisher(block_manager, **publisher) if block_manager is not None
                           else None)
 
     def report(self, *, force_snapshot: bool = False) -> dict[str, Any]:
-        """The routing-stats dict: plain types only (it travels through Ray Serve's controller)."""
-        stats = self.async_engine.stats()
+        """The digest: plain types only (it travels in the engine protocol)."""
+        stats = self.core.stats()
         depth = QueueDepth.from_stats(stats)
         return {
             "version": DIGEST_VERSION,
@@ -116,7 +115,8 @@ def autoscaling_inputs(block_manager, step_load, now: float) -> dict[str, float]
             "compute_utilization": step_load.utilization(now)}
 
 
-def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START) -> dict[str, float]:
+def autoscaling_stats(stats: dict[str, Any], kv_pressure_start: float = KV_PRESSURE_START
+                      ) -> dict[str, float]:
     """For `record_autoscaling_stats()`: Ray Serve window-averages each key per replica.
 
     `load` is what a replica carries that is not queued, as a fraction of what it can carry:
@@ -125,12 +125,12 @@ def autoscaling_stats(async_engine, kv_pressure_start: float = KV_PRESSURE_START
     replicas are full but whose queues are empty must not scale down on its zero queue depth,
     and one nearing full must scale up before a queue forms. `kv_working_set`
     (`replicas.working_set`, in replicas' worth of KV cache) is the cache its prompts' reuse
-    needs: a fleet must not scale down below what holds it."""
-    stats = async_engine.stats()
+    needs: a fleet must not scale down below what holds it. Requests that wait in an ingress's
+    admission queue with this replica first in their ranking count as queued here."""
     depth = QueueDepth.from_stats(stats)
-    out = {QUEUE_DEPTH_METRIC: depth.autoscaling_depth(kv_pressure_start)}
-    scheduler = getattr(getattr(async_engine, "engine", None), "scheduler", None)
-    max_num_seqs = stats.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
+    out = {QUEUE_DEPTH_METRIC: depth.autoscaling_depth(kv_pressure_start)
+           + float(stats.get("num_queued_at_ingress", 0))}
+    max_num_seqs = stats.get("max_num_seqs")
     if max_num_seqs:
         out[LOAD_METRIC] = min(1.0, max(depth.num_running / max_num_seqs, depth.kv_cache_usage,
                                         float(stats.get("compute_utilization", 0.0))))

@@ -2,13 +2,15 @@
 
 No KV cache and no scheduler: an encoder sees each text whole, in one forward pass, so a batch is
 just the sequences that fit the token budget (`max_num_batched_tokens`, `max_num_seqs`), packed
-without padding. Knows nothing of Ray or asyncio: the offline `LLM.embed` drives it directly,
-`AsyncEncoderEngine` from a batching loop.
+without padding. Knows nothing of Ray or asyncio: the offline `LLM.embed` drives it directly, and an engine core
+(`replicas/engine_core.py`) through `EncoderRequests`, which gives it the request surface of an
+`LLMEngine`.
 """
 from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 from replicas.config import EngineConfig
 from replicas.model_loader import load_model, resolve_device
 from replicas.pooling import PoolingConfig, pool
+from replicas.outputs import RequestOutput
 from replicas.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
@@ -122,3 +125,64 @@ class EncoderEngine:
         return {"num_waiting": 0, "num_running": 0, "num_requests": 0, "kv_cache_usage": 0.0,
                 "prefix_cache_hit_rate": 0.0, "num_preemptions": 0, "num_steps": self.num_steps,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_generation_tokens": 0}
+
+
+class EncoderRequests:
+    """An EncoderEngine behind `LLMEngine`'s request surface (`make_request`, `add`,
+    `abort_request`, `step`, `stats`), so an engine core serves it as it serves a decoder: each
+    step embeds the requests that fit one forward pass, in arrival order, and each request's one
+    output carries its embedding."""
+
+    tasks = ("embed",)
+
+    def __init__(self, encoder: EncoderEngine):
+        self.encoder = encoder
+        self.tokenizer = encoder.tokenizer
+        self.model_name = encoder.model_name
+        self.max_model_len = encoder.max_model_len
+        self.block_size = encoder.block_size
+        self.vocab_size = encoder.vocab_size
+        self.requests: dict[str, list[int]] = {}  # in arrival order
+        self.num_arrived = 0
+        self.num_generation_tokens = 0  # embeddings made: the core's proof that it serves
+
+    def make_request(self, request_id: str, prompt: dict, params=None, priority: int = 0):
+        token_ids = list(prompt["prompt_token_ids"])
+        self.encoder.check(token_ids)
+        return request_id, token_ids
+
+    def add(self, request: tuple[str, list[int]]) -> None:
+        request_id, token_ids = request
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.requests[request_id] = token_ids
+        self.num_arrived += 1
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        request_ids = list(self.requests)
+        token_ids = [self.requests[r] for r in request_ids]
+        start, end = self.encoder.batches(token_ids)[0]
+        rows = self.encoder.embed_batch(token_ids[start:end])
+        now = time.monotonic()
+        outputs = []
+        for request_id, ids, row in zip(request_ids[start:end], token_ids[start:end], rows):
+            del self.requests[request_id]
+            outputs.append(RequestOutput(request_id, None, [], [], finished=True,
+                                         num_prompt_tokens=len(ids), embedding=row.tolist(),
+                                         metrics={"arrival_time": now, "first_token_time": now,
+                                                  "finish_time": now, "num_generated_tokens": 0}))
+        self.num_generation_tokens += len(outputs)
+        return outputs
+
+    def take_failures(self) -> list:
+        return []
+
+    def stats(self) -> dict:
+        return {**self.encoder.stats(), "num_waiting": len(self.requests),
+                "num_requests": len(self.requests), "num_arrived": self.num_arrived}

@@ -56,9 +56,6 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_arrived = 0  # requests ever added: routers compare their own sends with it
-        # Hand out each output as its `RequestOutput.wire()` values, not the object: what the
-        # engine core sends (the object would be made only to be taken apart).
-        self.wire_outputs = False
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
@@ -167,10 +164,9 @@ class LLMEngine:
         self.runner.shutdown()
 
     # -- the loop ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput] | list[tuple]:
+    def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that advanced or finished (only
-        the finished ones under RequestOutputKind.FINAL_ONLY); their `wire()` values under
-        `wire_outputs`."""
+        the finished ones under RequestOutputKind.FINAL_ONLY)."""
         if self.pending_grammars:
             self._admit_compiled()
         began = time.monotonic()
@@ -189,7 +185,7 @@ class LLMEngine:
         return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: RunnerOutput) -> list[RequestOutput] | list[tuple]:
+                           runner_output: RunnerOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.block_manager.record_slot_usage(self.scheduler.running)
         self.num_prompt_tokens += sum(s.num_new_tokens for s in scheduler_output.scheduled
@@ -218,13 +214,12 @@ class LLMEngine:
             if seq.is_finished:
                 self.runner.release(seq.seq_id)
         outputs = []
-        output = Request.wire_output if self.wire_outputs else Request.output
         for request in touched.values():
             if request.finished:
                 request.finish_time = now
                 del self.requests[request.request_id]
             if request.wants_output:
-                outputs.append(output(request))
+                outputs.append(request.output())
         return outputs
 
     def take_failures(self) -> list[tuple[str, ParamError]]:

@@ -1,281 +1,203 @@
-"""The engine core: one replica's LLMEngine stepping in a process of its own (vLLM V1's EngineCore).
+"""The engine core: one replica's engine, stepping in a loop of its own (vLLM V1's EngineCore).
 
-In the replica's own process the step thread shares the GIL with Ray Serve's event loop, and on a
-small model a step is mostly Python between torch calls, so the two ping-pong the GIL: measured,
-that cost the step thread ~60 µs per streamed token, more than the engine itself. Here the loop is
-the only Python thread: it reads what the replica sent (new requests, aborts, calls), steps, and
-sends every output of the step back as one message (`replicas/core_wire.py`), with the engine's
-stats when they are due. The replica's end is `replicas/engine_core_client.py`. Ingress replicas
-may connect here too (`replicas/core_channels.py`): the outputs of their requests then go
-straight to them, and the replica hears only that those requests finished.
+Every serving request reaches a core, and every output leaves it, on the connection of the
+ingress replica that sent it (`replicas/core_server.py`, `replicas/protocol.py`). The loop reads
+what came (requests, aborts, connections that went away), steps the engine, and sends each
+ingress one message with its requests' outputs, the core's queue as of the step (for the
+ingress's router) and, about once a second, its routing digest. The replica that started the core
+(`replicas/core_process.py`) gets its stats on a link of its own, and nothing of its tokens.
 
-    python -m replicas.engine_core FD   # FD: this end of the socket pair; the config arrives on it
+By default the core is a process of its own, whose only Python thread is this loop: in the
+replica's process the step would share the GIL with Ray's threads, and on a small model a step is
+mostly Python between torch calls. Tensor-parallel replicas run the same loop in a thread of the
+replica, where Ray placed their ranks.
 
-The process ends when its socket closes (the replica is gone) or on `STOP`.
+    python -m replicas.engine_core FD   # FD: this end of the replica's socket pair
 """
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
+import pickle
 import select
 import socket
 import sys
 import time
 import traceback
 
-from replicas import core_wire as wire
-from replicas import cpu_binding
+from replicas import cpu_binding, protocol
 from replicas.cache_digest import RoutingReporter, StepReport, step_report
 from replicas.config import EngineConfig
-from replicas.core_channels import CoreChannels
-from replicas.engine_client import MAX_CONSECUTIVE_STEP_FAILURES
+from replicas.core_server import Client, CoreServer
 from replicas.errors import StepFailed
-from replicas.output_channel import ChannelClosed
-from replicas.sampling_params import ParamError
+from replicas.protocol import Failure
+from replicas.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# While the engine is busy its stats ride along at most this often (the replica's routing,
-# autoscaling, metrics and stall checks read them about once a second); always when it goes idle.
-STATS_PERIOD_S = 0.05
+# A failed step fails only its own requests; this many failed steps in a row means the engine is
+# broken (not one bad batch), and the loop stops so the replica reports unhealthy and is replaced.
+MAX_CONSECUTIVE_STEP_FAILURES = 2
+# While the engine is busy its stats go to the replica at most this often (its metrics,
+# autoscaling stats and stall check read them about once a second); always when it goes idle.
+STATS_PERIOD_S = 0.1
 # An idle core whose last stats still had load or a prefix working set in them (both fade over
 # their windows: `replicas.step_load`, `replicas.working_set`) sends fresh ones this often until
 # they reach zero, so the autoscaler does not read a replica idle for minutes as busy.
 IDLE_STATS_PERIOD_S = 1.0
-_READ_SIZE = 1 << 20
+DIGEST_PERIOD_S = 1.0  # the routing digest's period, to every client
+PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+_READ_SIZE = 1 << 16
 
 
-class _Socket:
-    """The core's end: blocking sends (the replica always reads), reads that never wait while
-    the engine has work."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.reader = wire.FrameReader()
-        self.lost: list[str] = []  # requests whose output channel went away
-
-    def send(self, message: tuple) -> None:
-        self.sock.sendall(wire.frame(message))
-
-    def receive(self, wait: bool, channels: CoreChannels | None = None,
-                wait_s: float | None = None) -> list[tuple] | None:
-        """Every whole message that has arrived (waiting for one if `wait`, at most wait_s
-        seconds if given); None once the replica has closed its end. Output channels'
-        connections are served meanwhile; a subscriber that went away ends the wait (its
-        requests have errors to report)."""
-        messages: list[tuple] = []
-        timeout = wait_s if wait else 0.0
-        while True:
-            watched = [self.sock, *channels.sockets()] if channels is not None else [self.sock]
-            readable = select.select(watched, [], [], timeout)[0]
-            if not readable:
-                return messages
-            for sock in readable:
-                if sock is not self.sock:
-                    self.lost += channels.on_readable(sock)
-                    if self.lost or channels.changed or channels.received or channels.abandoned:
-                        timeout = 0.0  # requests to take, errors to send, or stats
-                    continue
-                try:
-                    data = self.sock.recv(_READ_SIZE)
-                except ConnectionError:  # the replica went away mid-message
-                    return None
-                if not data:
-                    return None
-                messages += self.reader.feed(data)
-                if messages:
-                    timeout = 0.0  # drain what else is there, then go
+def make_engine(config: EngineConfig, engine_class: str | None = None):
+    """The engine a core steps: `engine_class`, an encoder's batcher, or an LLMEngine."""
+    from replicas.embedding_model import resolve_model_name, uses_encoder
+    if engine_class is not None:
+        module, _, name = engine_class.partition(":")
+        import importlib
+        return getattr(importlib.import_module(module), name)(config)
+    if uses_encoder(config.model):
+        from replicas.encoder_engine import EncoderEngine, EncoderRequests
+        return EncoderRequests(EncoderEngine(config, resolve_model_name(config.model)))
+    from replicas.engine import LLMEngine
+    return LLMEngine(config)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
-        from replicas.engine import LLMEngine
-        self.engine = LLMEngine(config)
-        self.engine.wire_outputs = True  # sent as they are (`RequestOutput.wire()` values)
+    def __init__(self, start: protocol.Start):
+        config = EngineConfig.model_validate(start.config)
+        self.config = config
+        self.engine = make_engine(config, start.engine_class)
         self.cpus = _bind(config, self.engine)
-        self.last_generation_time: float | None = None
-        self._held: dict[str, tuple] = {}  # ADDs from the replica past max_ongoing_requests
-        self._intake_time = time.time()  # when the loop last took in what was sent to it
+        self.server = CoreServer(start.host)
+        self.max_requests = start.max_requests
+        self.probe_interval_s = start.probe_interval_s
         self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
-        self._errors: list[tuple[str, BaseException]] = []
-        self._failures = 0
+        self.owners: dict[str, Client] = {}  # request id -> the client that sent it
+        self.failures: list[tuple[str, Failure]] = []
+        self.draining = False
+        self.last_generation_time: float | None = None
+        self._probe_ids = itertools.count()
+        self._last_probe = 0.0
+        self._step_failures = 0
         self._stats_due = True
         self._stats_sent_at = 0.0
         self._stats_fading = False  # the last stats sent had load or a working set to fade
-        self.channels: CoreChannels | None = None  # after the replica asks (open_channels)
-        # Requests on an output channel are taken while fewer than this are held (the replica's
-        # max_ongoing_requests, which Ray applies to the calls); none while draining.
-        self.max_ongoing_requests: int | None = None
-        self.draining = False
+        self._digest_at = 0.0
 
     def info(self) -> dict:
-        import pickle
         engine = self.engine
         return {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                "block_size": engine.block_size, "vocab_size": engine.runner.vocab_size,
-                "tokenizer": pickle.dumps(engine.tokenizer), "stats": self.stats(),
-                "gc_frozen_objects": gc.get_freeze_count()}
+                "block_size": engine.block_size, "vocab_size": _vocab_size(engine),
+                "max_logprobs": self.config.max_logprobs,
+                "tasks": list(_tasks(engine, self.config)), "pooling": self.config.pooling,
+                "tokenizer": pickle.dumps(engine.tokenizer), "address": list(self.server.address),
+                "stats": self.stats(), "gc_frozen_objects": gc.get_freeze_count()}
 
     def stats(self) -> dict:
-        channels = self.channels
         stats = self.engine.stats()
-        if self._held:  # they wait, here rather than in the engine
-            stats["num_waiting"] += len(self._held)
-            stats["num_requests"] += len(self._held)
         return {**stats, "last_generation_time": self.last_generation_time,
-                "core_channels": channels.num_subscribers if channels else 0,
-                "core_channel_outputs": channels.num_outputs if channels else 0,
-                "core_channel_requests": channels.num_requests if channels else 0,
+                "num_clients": len(self.server.clients),
+                "num_queued_at_ingress": self.server.num_queued, "draining": self.draining,
                 "engine_cpus": self.cpus}
 
-    def _step_report(self) -> StepReport:
-        # As of the intake before the step: a request an ingress sent during the step waits in
-        # the socket, out of the count, and must read as sent after the report.
-        return step_report(self.engine, len(self._held), now=self._intake_time)
-
-    # -- calls the replica makes -----------------------------------------------------------------
-    def call_routing_report(self, force_snapshot: bool = False) -> dict:
-        return self.routing.report(force_snapshot=force_snapshot)
-
-    def call_open_channels(self, host: str, max_ongoing_requests: int | None = None
-                           ) -> tuple[str, int, str]:
-        """Listen for ingress replicas' output channels on host; (host, port, token)."""
-        if self.channels is None:
-            self.channels = CoreChannels(host)
-        self.max_ongoing_requests = max_ongoing_requests
-        return self.channels.address
-
-    def call_set_max_ongoing_requests(self, max_ongoing_requests: int | None) -> None:
-        self.max_ongoing_requests = max_ongoing_requests
-
-    def call_drain(self) -> None:
-        """Take no more requests on the output channels (the replica is stopping); those held
-        run to their end."""
-        self.draining = True
-
-    # -- the loop --------------------------------------------------------------------------------
-    def run(self, conn: _Socket) -> None:
-        engine = self.engine
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, link: socket.socket) -> None:
+        """Until the replica says Stop or goes away."""
+        reader = protocol.core_reader()
+        server = self.server
         while True:
-            idle = not (engine.has_unfinished_requests() or self._errors or self._held)
-            messages = conn.receive(wait=idle, channels=self.channels,
-                                    wait_s=IDLE_STATS_PERIOD_S if self._stats_fading else None)
-            self._intake_time = time.time()  # what came before this is in the engine's count
-            if messages is None:
-                return
-            if idle and self._stats_fading:
-                self._stats_due = True
-            if conn.lost:
-                self._lose(conn.lost)
-                conn.lost = []
-            if self.channels is not None:
-                self._serve_channels(self.channels)
-            for message in messages:
-                if message[0] == wire.STOP:
+            busy = self.engine.has_unfinished_requests() or self.failures
+            timeout = 0.0 if busy else self._idle_wait_s()
+            for sock in select.select([link, *server.sockets()], [], [], timeout)[0]:
+                if sock is not link:
+                    server.on_readable(sock)
+                    continue
+                data = link.recv(_READ_SIZE)
+                if not data:
                     return
-                self._handle(conn, message)
-            self._admit_held()
-            outputs = self._step() if engine.has_unfinished_requests() else []
-            self._send_step(conn, outputs)
+                for message in reader.feed(data):
+                    if isinstance(message, protocol.Stop):
+                        return
+                    if isinstance(message, protocol.Drain):  # the clients route elsewhere now
+                        self.draining = self._stats_due = True
+                        server.broadcast(protocol.CoreOutputs([], draining=True))
+            for request_id in server.take_lost():
+                self._abort(request_id)
+            for client, message in server.take_received():
+                self._handle(client, message)
+            self._probe_if_due()
+            outputs = self._step() if self.engine.has_unfinished_requests() else []
+            self._send(outputs)
+            self._send_stats(link)
 
-    def _handle(self, conn: _Socket, message: tuple) -> None:
-        kind = message[0]
+    def _idle_wait_s(self) -> float:
+        waits = [DIGEST_PERIOD_S if self.server.clients else None,
+                 IDLE_STATS_PERIOD_S if self._stats_fading else None,
+                 self.probe_interval_s / 4]
+        return min(w for w in waits if w is not None)
+
+    def _handle(self, client: Client, message) -> None:
         self._stats_due = True
-        if kind == wire.ADD:
-            if self._held or self._full():
-                # Its Ray call keeps its slot meanwhile, so Ray queues the calls after it.
-                self._held[message[1]] = message
-            else:
-                self._add(message)
-        elif kind == wire.ABORT:
-            for request_id in message[1]:
-                self._held.pop(request_id, None)
-                self.engine.abort_request(request_id)
-                if self.channels is not None:
-                    self.channels.forget(request_id)
-        elif kind == wire.CALL:
-            _, call_id, name, kwargs = message
-            try:
-                reply = (wire.REPLY, call_id, True, getattr(self, f"call_{name}")(**kwargs))
-            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the core goes on
-                reply = (wire.REPLY, call_id, False, wire.portable(exc))
-            conn.send(reply)
-        else:
-            raise ValueError(f"unknown message {kind!r}")
+        if isinstance(message, protocol.AddRequest):
+            self._add(client, message)
+        elif isinstance(message, protocol.Abort):
+            for request_id in message.request_ids:
+                if self.owners.get(request_id) is client:  # its own requests only
+                    self._abort(request_id)
+        elif isinstance(message, protocol.QueuedHere):
+            client.num_queued = max(0, message.num_requests)
 
-    def _full(self, waiting: int = 0) -> bool:
-        """Whether the core holds its replica's max_ongoing_requests (with `waiting` more)."""
-        limit = self.max_ongoing_requests
-        return limit is not None and len(self.engine.requests) + waiting >= limit
-
-    def _add(self, message: tuple) -> None:
-        _, request_id, prompt, params, priority, channel_id = message
-        try:
-            self.engine.add(self.engine.make_request(request_id, prompt, params,
-                                                     priority=priority))
-        except ValueError as exc:
-            self._errors.append((request_id, exc))
-            return
-        if self.channels is not None:
-            self.channels.route(request_id, channel_id)
-
-    def _admit_held(self) -> None:
-        """Requests that came by Ray while the core was full, in order, as room frees."""
-        while self._held and not self._full():
-            self._add(self._held.pop(next(iter(self._held))))
-
-    def _serve_channels(self, channels: CoreChannels) -> None:
-        """What the ingresses sent on their channels: requests to take, aborts, and those whose
-        channel went away."""
-        for request_id in channels.take_abandoned():
-            self.engine.abort_request(request_id)
-            self._stats_due = True
-        for channel_id, message in channels.take_received():
-            self._stats_due = True
-            kind = message[0] if isinstance(message, list) and message else None
-            if kind == wire.ADD and len(message) == 7 and isinstance(message[1], str):
-                self._add_from(channels, channel_id, *message[1:])
-            elif kind == wire.ABORT and len(message) == 2 and isinstance(message[1], list):
-                for request_id in message[1]:
-                    if channels.sent_by(request_id, channel_id):  # its own requests only
-                        self.engine.abort_request(request_id)
-                        channels.forget(request_id)
-            else:
-                logger.debug("an output channel sent an unknown message; ignored")
-        if channels.changed:
-            channels.changed, self._stats_due = False, True
-
-    def _add_from(self, channels: CoreChannels, channel_id: str, request_id: str,
-                  prompt_token_ids, prompt, block_hashes, params, priority) -> None:
-        error = self._take(request_id, prompt_token_ids, prompt, block_hashes, params, priority)
-        if error is not None:
-            self._lose(channels.refuse(channel_id, request_id, error))
-        else:
-            channels.accept(request_id, channel_id)
-
-    def _take(self, request_id: str, prompt_token_ids, prompt, block_hashes, params,
-              priority) -> BaseException | None:
-        """Take a request sent on a channel into the engine: None, or the error saying why not."""
+    def _add(self, client: Client, add: protocol.AddRequest) -> None:
+        request_id = add.request_id
+        if self.draining or (self.max_requests is not None
+                             and len(self.owners) >= self.max_requests):
+            reason = "draining" if self.draining else "full"
+            return self._fail_now(client, Failure(request_id, protocol.REFUSED, reason))
+        if request_id in self.owners:
+            return self._fail_now(client, Failure(request_id, protocol.INVALID,
+                                                  f"request id {request_id!r} is already running"))
         engine = self.engine
-        if self.draining:
-            return wire.CoreRefused("draining")
-        if self._full(waiting=len(self._held)):  # those Ray sent first go first
-            return wire.CoreRefused("full")
-        if request_id in engine.requests:
-            return ValueError(f"request id {request_id!r} is already running")
         try:
-            params = wire.params_from_json(params)
-            if not isinstance(priority, int):
-                raise ParamError("priority", "priority must be an integer")
-            if not (_ints(prompt_token_ids) and (block_hashes is None or _ints(block_hashes))):
-                raise ParamError("prompt", "prompt token ids and block hashes must be integers")
             engine.add(engine.make_request(
-                request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids,
-                             "block_hashes": block_hashes}, params, priority=priority))
-        except (ValueError, TypeError) as exc:  # a TypeError: a request no ingress of ours sends
-            return exc if isinstance(exc, ValueError) else ValueError(f"bad request: {exc}")
-        return None
+                request_id, {"prompt_token_ids": add.prompt_token_ids,
+                             "block_hashes": add.block_hashes}, add.params, priority=add.priority))
+        except ValueError as exc:
+            return self._fail_now(client, Failure(request_id, protocol.INVALID, str(exc),
+                                                  getattr(exc, "param", None)))
+        self.owners[request_id] = client
+        client.requests.add(request_id)
+
+    def _fail_now(self, client: Client, failure: Failure) -> None:
+        self.server.send(client, protocol.CoreOutputs([], [failure], draining=self.draining))
+
+    def _abort(self, request_id: str) -> None:
+        client = self.owners.pop(request_id, None)
+        if client is not None:
+            client.requests.discard(request_id)
+        self.engine.abort_request(request_id)
+        self._stats_due = True
+
+    def _probe_if_due(self) -> None:
+        """An idle engine proves it can generate now and then (readiness): a one-token request
+        through the same scheduler and cache as any other, whose output nobody reads."""
+        now = time.time()
+        last = self.last_generation_time
+        if (self.engine.has_unfinished_requests() or now - self._last_probe < self.probe_interval_s
+                or (last is not None and now - last < self.probe_interval_s)):
+            return
+        self._last_probe = now
+        token = getattr(self.engine.tokenizer, "bos_token_id", None)
+        try:
+            self.engine.add(self.engine.make_request(f"readiness-probe-{next(self._probe_ids)}",
+                                                     {"prompt_token_ids": [token or 0]},
+                                                     PROBE_PARAMS))
+        except ValueError as exc:
+            logger.warning("readiness probe failed: %s", exc)
 
     def _step(self) -> list:
         engine = self.engine
@@ -283,54 +205,105 @@ class EngineCore:
         try:
             outputs = engine.step()
         except StepFailed as exc:
-            self._failures += 1
-            if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._step_failures += 1
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
-            self._errors += [(request_id, exc) for request_id in exc.request_ids]
+            self.failures += [(rid, Failure(rid, protocol.STEP_FAILED, str(exc)))
+                              for rid in exc.request_ids]
             return []
-        self._failures = 0
+        self._step_failures = 0
         self._stats_due = True
         if engine.num_generation_tokens > generated:
             self.last_generation_time = time.time()
-        self._errors += engine.take_failures()
+        self.failures += [(rid, Failure(rid, protocol.INVALID, str(exc), getattr(exc, "param", None)))
+                          for rid, exc in engine.take_failures()]
         return outputs
 
-    def _lose(self, request_ids: list[str]) -> None:
-        """Requests whose output channel went away: nobody reads them; their calls fail."""
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-            self._errors.append((request_id, ChannelClosed("the output channel to the ingress "
-                                                           "closed")))
+    def _send(self, outputs: list) -> None:
+        owners = self.owners
+        by_client: dict[Client, tuple[list, list]] = {}
+        for output in outputs:
+            client = owners.get(output.request_id)
+            if client is None:  # a probe's, or aborted meanwhile
+                continue
+            if output.finished:
+                del owners[output.request_id]
+                client.requests.discard(output.request_id)
+            by_client.setdefault(client, ([], []))[0].append(output)
+        if self.failures:
+            for request_id, failure in self.failures:
+                client = owners.pop(request_id, None)
+                if client is not None:
+                    client.requests.discard(request_id)
+                    by_client.setdefault(client, ([], []))[1].append(failure)
+            self.failures = []
+        digest = self._digest_if_due()
+        if digest is not None:
+            for client in self.server.clients.values():
+                if client.client_id is not None:
+                    by_client.setdefault(client, ([], []))
+        if not by_client:
+            return
+        report = self._step_report()
+        for client, (batch, failed) in by_client.items():
+            self.server.send(client, protocol.CoreOutputs(batch, failed, report, digest,
+                                                          self.draining))
 
-    def _send_step(self, conn: _Socket, outputs: list) -> None:
-        done: list[str] = []
-        if self.channels is not None:
-            errors, self._errors = self._errors, []
-            outputs, self._errors, done, lost = self.channels.send(outputs, errors,
-                                                                   self._step_report)
-            self._lose(lost)
+    def _digest_if_due(self) -> dict | None:
         now = time.monotonic()
-        stats = None
-        if self._stats_due and (not self.engine.has_unfinished_requests()
-                                or now - self._stats_sent_at >= STATS_PERIOD_S):
-            stats, self._stats_due, self._stats_sent_at = self.stats(), False, now
-            self._stats_fading = bool(stats.get("compute_utilization")
-                                      or stats.get("kv_working_set"))
-        if outputs or self._errors or stats is not None or done:
-            errors, self._errors = self._errors, []
-            conn.send((wire.STEP, outputs,
-                       [(request_id, wire.portable(exc)) for request_id, exc in errors], stats,
-                       done))
+        joined = self.server.joined
+        if not joined and now - self._digest_at < DIGEST_PERIOD_S:
+            return None
+        self.server.joined = False
+        self._digest_at = now
+        return self.routing.report(force_snapshot=joined)
+
+    def _step_report(self) -> StepReport:
+        engine = self.engine
+        if hasattr(engine, "scheduler"):
+            return step_report(engine)
+        return StepReport(time.time(), len(engine.requests), engine.num_arrived, 0)
+
+    def _send_stats(self, link: socket.socket) -> None:
+        now = time.monotonic()
+        busy = self.engine.has_unfinished_requests()
+        if self._stats_fading and not busy and now - self._stats_sent_at >= IDLE_STATS_PERIOD_S:
+            self._stats_due = True
+        if not self._stats_due or (busy and now - self._stats_sent_at < STATS_PERIOD_S):
+            return
+        stats = self.stats()
+        self._stats_due, self._stats_sent_at = False, now
+        self._stats_fading = bool(stats.get("compute_utilization") or stats.get("kv_working_set"))
+        link.sendall(protocol.frame(protocol.Stats(stats)))
+
+    def close(self) -> None:
+        self.server.close()
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if self.cpus:
+            cpu_binding.release()
 
 
-def _ints(values) -> bool:
-    return isinstance(values, list) and all(type(v) is int for v in values)
+def _vocab_size(engine) -> int:
+    runner = getattr(engine, "runner", None)
+    return runner.vocab_size if runner is not None else engine.vocab_size
+
+
+def _tasks(engine, config: EngineConfig) -> tuple[str, ...]:
+    tasks = getattr(engine, "tasks", None)
+    if tasks is not None:
+        return tuple(tasks)
+    return ("generate", "embed") if config.pooling else ("generate",)
 
 
 def _bind(config: EngineConfig, engine) -> list[int]:
     """Bind this process to the CPUs config.cpu_bind names (`replicas/cpu_binding.py`); which."""
-    if config.cpu_bind == "auto" and engine.runner.device.type != "cpu":
+    runner = getattr(engine, "runner", None)
+    if config.cpu_bind == "auto" and (runner is None or runner.device.type != "cpu"):
         return []
+    if config.cpu_bind == "auto" and config.tensor_parallel_size > 1:
+        return []  # the ranks share the replica's CPUs
     import torch
     try:
         cpus = cpu_binding.claim(config.cpu_bind, torch.get_num_threads())
@@ -343,42 +316,49 @@ def _bind(config: EngineConfig, engine) -> list[int]:
     return cpus
 
 
-def main(fd: int) -> int:
-    logging.basicConfig(level=logging.WARNING)  # quiet, as the replica's own logs are
-    conn = _Socket(socket.socket(fileno=fd))
-    messages: list[tuple] | None = []
-    while messages is not None and not messages:
-        messages = conn.receive(wait=True)
-    if not messages:
-        return 0
+def serve(link: socket.socket, in_process: bool = False) -> int:
+    """A core's whole life on the replica's link: Start, Ready (or StartFailed), the loop, and
+    Died if the loop fails."""
+    reader = protocol.core_reader()
+    start = None
+    while start is None:
+        data = link.recv(_READ_SIZE)
+        if not data:
+            return 0
+        for message in reader.feed(data):
+            start = message if isinstance(message, protocol.Start) else start
     try:
-        core = EngineCore(EngineConfig.model_validate(messages[0]))
+        core = EngineCore(start)
     except BaseException as exc:  # noqa: BLE001 - the replica reports why it could not start
-        conn.send((wire.FAILED, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        link.sendall(protocol.frame(protocol.StartFailed(f"{type(exc).__name__}: {exc}",
+                                                         traceback.format_exc())))
         return 1
-    # The process as built (the model, its tokenizer, the libraries: ~310,000 objects with the
-    # default model) lives as long as it does. Frozen out of the collector's sight, a full
-    # collection while serving walks only what serving made, not all of that (~145 ms, in the
-    # middle of a step). vLLM's engine core does the same, and Ray Serve does it for the
-    # replica and ingress processes at the end of their start.
-    gc.collect()
-    gc.freeze()
-    conn.send((wire.READY, core.info()))
+    if not in_process:
+        # The process as built (the model, its tokenizer, the libraries) lives as long as it
+        # does: frozen out of the collector's sight, a full collection while serving walks only
+        # what serving made. vLLM's engine core does the same.
+        gc.collect()
+        gc.freeze()
     try:
-        core.run(conn)
+        link.sendall(protocol.frame(protocol.Ready(core.info())))
+        core.run(link)
     except ConnectionError:  # the replica went away while we sent: nobody is left to tell
         return 0
     except BaseException as exc:  # noqa: BLE001 - a bug or a device failure: the replica dies
         logger.exception("engine core loop died")
         try:
-            conn.send((wire.DEAD, f"{type(exc).__name__}: {exc}"))
+            link.sendall(protocol.frame(protocol.Died(f"{type(exc).__name__}: {exc}")))
         except OSError:
             pass
         return 1
     finally:
-        if core.cpus:
-            cpu_binding.release()
+        core.close()
     return 0
+
+
+def main(fd: int) -> int:
+    logging.basicConfig(level=logging.WARNING)  # quiet, as the replica's own logs are
+    return serve(socket.socket(fileno=fd))
 
 
 if __name__ == "__main__":

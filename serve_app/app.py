@@ -1,4 +1,4 @@
-"""The only place deployments are bound: settings -> Ingress + EngineReplica application.
+"""The only place deployments are bound: settings -> Ingress + EngineReplica + CoreDirectory.
 
 `serve run serve_app:app key=value ...` calls `app(args)`; programs call `build_app(settings)`.
 """
@@ -14,20 +14,21 @@ from replicas.default_model import check_model_dir
 from replicas.deployment import EngineReplica
 from replicas.embedding_model import resolve_model_name
 from serve_app import autoscaling as queue_depth_autoscaling
-from serve_app.config import DEFAULT_REQUEST_ROUTER, ServeSettings
+from serve_app.config import ServeSettings
+from serve_app.core_directory import CoreDirectory
 from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
 from serve_app.routing.policy import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
+SERVE_NAMESPACE = "serve"  # the Ray namespace `serve run` starts Ray in
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
-ROUTING_STATS_PERIOD_S = 1.0
-# Ray Serve runs user code, and a handle's router, on event loops of their own by default: every
-# message then crosses threads twice. Our deployments never block their loop (the engine steps in
-# its own thread), so they take Ray's "throughput optimized" placement.
-REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+DIRECTORY_DEPLOYMENT = "CoreDirectory"
+# Ray Serve runs user code on an event loop of its own by default: every call then crosses threads
+# twice. Our deployments never block their loop, so they take Ray's "throughput optimized"
+# placement.
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # The ingress allocates and frees small buffers for every request from many of Ray's threads;
 # glibc's default of one malloc arena per thread (up to 8 per core) fragments them, and its RSS
 # crept up ~4 MB a minute under the soak's load (bench/soak.py), ~1.7 MB with two arenas.
@@ -35,11 +36,11 @@ INGRESS_ENV = {**REPLICA_ENV, "MALLOC_ARENA_MAX": "2"}
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
-    """Ray Serve options of the EngineReplica deployment, sized from the engine's batch."""
+    """Ray Serve options of the EngineReplica deployment. Its calls are the control plane's
+    (model facts, stats): no request waits behind Ray's per-replica limits."""
     options: dict[str, Any] = dict(
         name=REPLICA_DEPLOYMENT,
-        max_ongoing_requests=settings.replica_ongoing_limit,
-        max_queued_requests=settings.max_queued_requests,
+        max_ongoing_requests=64,
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=settings.health_check_timeout_s,
         graceful_shutdown_timeout_s=settings.drain_s,
@@ -75,14 +76,6 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
         options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = settings.num_replicas
-    router = settings.request_router_class or DEFAULT_REQUEST_ROUTER
-    if router == DEFAULT_REQUEST_ROUTER:  # a bad threshold fails the deploy, not the first request
-        RoutingSettings(**settings.request_router_kwargs)
-    options["request_router_config"] = {
-        "request_router_class": router,
-        "request_router_kwargs": settings.request_router_kwargs,
-        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
-    }
     return options
 
 
@@ -90,6 +83,7 @@ def ingress_options(settings: ServeSettings) -> dict[str, Any]:
     return dict(name=INGRESS_DEPLOYMENT, num_replicas=settings.num_ingress_replicas,
                 max_ongoing_requests=settings.ingress_max_ongoing_requests,
                 graceful_shutdown_timeout_s=settings.drain_s,
+                user_config=settings.ingress_user_config(),
                 logging_config={"enable_access_log": settings.access_log},
                 ray_actor_options={"num_cpus": settings.ingress_num_cpus,
                                    "runtime_env": {"env_vars": INGRESS_ENV}})
@@ -100,11 +94,20 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
     if not isinstance(settings, ServeSettings):
         settings = ServeSettings.from_args(settings)
     check_cluster_fits(settings)
+    RoutingSettings(**settings.request_router_kwargs)  # a bad one fails the deploy, not a request
+    # Its calls are long polls that a restart or a drain can cut at any time.
+    directory = serve.deployment(CoreDirectory, name=DIRECTORY_DEPLOYMENT, num_replicas=1,
+                                 max_ongoing_requests=100_000, graceful_shutdown_timeout_s=1.0,
+                                 graceful_shutdown_wait_loop_s=0.5,
+                                 logging_config={"enable_access_log": False},
+                                 ray_actor_options={"num_cpus": 0}).bind()
     replica = serve.deployment(EngineReplica, **replica_options(settings)).bind(
-        settings.engine.model_dump(), settings.engine_class, settings.engine_stall_timeout_s,
-        settings.probe_interval_s, settings.engine_process, settings.core_channels)
+        settings.engine.model_dump(), directory, max_requests=settings.core_max_requests,
+        drain_s=settings.drain_s, stall_timeout_s=settings.engine_stall_timeout_s,
+        probe_interval_s=settings.probe_interval_s, engine_process=settings.engine_process,
+        engine_class=settings.engine_class)
     return serve.deployment(Ingress, **ingress_options(settings)).bind(
-        replica, settings.ingress_settings().model_dump())
+        replica, directory, settings.ingress_settings().model_dump())
 
 
 def app(args: dict[str, str]) -> Application:
@@ -187,7 +190,6 @@ def start_serve_for_serve_run(settings: ServeSettings) -> ServeSettings:
                            "http_options apply")
         return settings
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
-    from ray.serve._private.constants import SERVE_NAMESPACE
 
     params = context.params
     ray.init(address=params.get("address"), namespace=SERVE_NAMESPACE,

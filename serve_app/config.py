@@ -17,8 +17,6 @@ from serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
 from serve_app.limits import RequestLimits
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
-# Used when the settings name none: prefix-cache-affinity routing (it also pins output channels).
-DEFAULT_REQUEST_ROUTER = "serve_app.routing.router:PrefixAffinityRouter"
 
 DEFAULTS = dict(
     num_replicas=1,
@@ -46,7 +44,6 @@ class IngressSettings(BaseModel):
     # No defaults here: ServeSettings.ingress_settings() fills every field from its own.
     api_keys: list[str]
     retry_after_s: int
-    output_channels: bool  # ServeSettings.channels_enabled
     max_stream_events_per_s: float | None
     max_stream_delay_s: float
     readiness_window_s: float
@@ -116,13 +113,6 @@ class ServeSettings(RequestLimits):
     num_ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0, ge=0)
     ingress_max_ongoing_requests: int = Field(DEFAULTS["ingress_max_ongoing_requests"], ge=1)
-    # Stream outputs over one channel per (ingress replica, engine replica), batched per engine
-    # step (replicas/output_channel.py). Needs the default request router, which pins channels.
-    output_channels: bool = True
-    # Where an engine replica's engine steps in a process of its own, its ingress channels connect
-    # straight to that process over TCP (replicas/core_channels.py: a random port on the node's
-    # address, which ingress replicas must reach); false: channels are Ray calls to the replica.
-    core_channels: bool = True
     # Server-sent events per second one ingress replica sends at most, shared by its open streams
     # (serve_app/stream_pacer.py). None: measured, to keep its streaming at half a core; 0: no
     # pacing (an event per engine step and stream).
@@ -133,11 +123,11 @@ class ServeSettings(RequestLimits):
     # Each replica's engine steps in a process of its own (replicas/engine_core.py), where no
     # event loop competes with it for the GIL; false: in a thread of the replica's process.
     engine_process: bool = True
-    # Seams: import paths ("module:attr") for a custom engine class, request router, and
-    # autoscaling policy function. None: the engine core (or AsyncEngine), serve_app.routing's
-    # prefix-affinity router, serve_app.autoscaling's queue-depth policy.
+    # Seams: import paths ("module:attr") for a custom engine class (an LLMEngine's surface, run by
+    # the engine core) and autoscaling policy function. None: LLMEngine (or the encoder's), and
+    # serve_app.autoscaling's queue-depth policy. request_router_kwargs: the ingress's router's
+    # settings (serve_app.routing.policy.RoutingSettings).
     engine_class: str | None = None
-    request_router_class: str | None = None
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     autoscaling_policy: str | None = None
 
@@ -195,13 +185,9 @@ class ServeSettings(RequestLimits):
     def probe_interval_s(self) -> float:
         return self.readiness_window_s / 3
 
-    @property
-    def channels_enabled(self) -> bool:
-        return self.output_channels and self.request_router_class in (None, DEFAULT_REQUEST_ROUTER)
-
     def ingress_settings(self) -> IngressSettings:
         return IngressSettings(api_keys=self.api_keys, retry_after_s=self.retry_after_s,
-                               output_channels=self.channels_enabled,
+
                                max_stream_events_per_s=self.max_stream_events_per_s,
                                max_stream_delay_s=self.max_stream_delay_s,
                                readiness_window_s=self.readiness_window_s,
@@ -211,6 +197,12 @@ class ServeSettings(RequestLimits):
                                max_ongoing_requests=self.ingress_max_ongoing_requests,
                                limits=RequestLimits.model_validate(
                                    {k: getattr(self, k) for k in RequestLimits.model_fields}))
+
+    def ingress_user_config(self) -> dict[str, Any]:
+        """What the ingress's router, admission queue and drain steer by: its Ray Serve
+        `user_config`, applied to running ingress replicas in place (`Ingress.reconfigure`)."""
+        return {"routing": self.request_router_kwargs,
+                "max_queued_requests": self.max_queued_requests, "drain_s": self.drain_s}
 
     @property
     def drain_s(self) -> float:
@@ -222,10 +214,10 @@ class ServeSettings(RequestLimits):
         return self.graceful_shutdown_timeout_s
 
     @property
-    def replica_ongoing_limit(self) -> int:
-        """Ray's per-replica call limit: the batch, plus a slot per ingress for its channel."""
-        limit = self.replica_max_ongoing_requests or self.engine.max_num_seqs
-        return limit + (self.num_ingress_replicas if self.channels_enabled else 0)
+    def core_max_requests(self) -> int:
+        """The most requests one engine core holds; the ingress sends more to the next replica,
+        or holds them in its admission queue."""
+        return self.replica_max_ongoing_requests or self.engine.max_num_seqs
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None = None, *, env: dict[str, str] | None = None

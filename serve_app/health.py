@@ -6,19 +6,16 @@ deployment still counts it as running. A request that meets a dead engine names 
 (`EngineReplicaDead`), and the application stays unhealthy until that replica's actor is gone.
 
 Readiness asks more than a running process: some engine replica must have sampled a token within
-the last `window_s` (idle replicas run a one-token probe to keep proving it,
-`replicas.readiness_probe`). The replicas report when in their routing stats, which the request
-router of this ingress receives every second.
+the last `window_s` (idle cores run a one-token probe to keep proving it, `replicas.engine_core`).
+The cores report when in the routing digests this ingress receives every second.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
 
 from ray import serve
-
-from serve_app.routing.replica_events import last_generation_times
 
 CACHE_S = 0.5
 DEAD_REPLICA_MEMORY_S = 300.0
@@ -55,19 +52,11 @@ class ReplicaHealth:
         self._cached = (time.monotonic(), healthy, reason)
         return healthy, reason
 
-    async def ready(self, window_s: float,
-                    replica_stats: Callable[[], Awaitable[dict]] | None = None) -> tuple[bool, str]:
-        """(ready, reason). `replica_stats` asks one replica for its stats: the fallback when the
-        request router is not ours (then only that replica is seen)."""
-        times = last_generation_times(serve.get_replica_context().app_name, self.deployment)
-        if times is None and replica_stats is not None:
-            try:
-                stats = await replica_stats()
-                times = {stats.get("replica_id", "?"): stats.get("last_generation_time")}
-            except Exception as exc:  # noqa: BLE001 - no replica answers: not ready
-                return False, f"no engine replica answered: {exc}"
+    @staticmethod
+    def ready(window_s: float, last_generation: Mapping[str, float | None]) -> tuple[bool, str]:
+        """(ready, reason), from when each engine core this ingress reaches last generated."""
         now = time.time()
-        recent = [r for r, t in (times or {}).items() if t is not None and now - t <= window_s]
+        recent = [r for r, t in last_generation.items() if t is not None and now - t <= window_s]
         if recent:
             return True, f"{len(recent)} engine replica(s) generated within the last {window_s:g} s"
         return False, f"no engine replica has generated a token in the last {window_s:g} s"

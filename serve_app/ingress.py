@@ -21,11 +21,13 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from replicas import cpu_binding, protocol
 from replicas.block_hash import block_hashes
-from replicas.deployment import EmbedRequest, GenerateRequest
+from replicas.pooling import pooling_params
 from replicas.sampling_params import ParamError, RequestOutputKind
 from serve_app import errors, formatters, limits
 from serve_app import embeddings
+from serve_app.engine_client import EngineClient, RequestStream, merge_streams
 from serve_app.config import IngressSettings
 from serve_app.errors import OpenAIError
 from serve_app.health import ReplicaHealth
@@ -35,32 +37,38 @@ from serve_app.prompts import (INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_pr
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.replica_stream import (OutputChannels, ReplicaStream, as_own_call, map_replica_error,
-                                      merge_streams)
+from serve_app.routing.metrics import RoutingMetrics
+from serve_app.routing.policy import RoutingSettings
 from serve_app.stream_pacer import StreamPacer
 from serve_app.stream_text import StreamText, take_text
 
 logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "EngineReplica"
+# Ray Serve's own drain of handle calls takes at least one of its wait loops of the drain budget.
+SERVE_DRAIN_LOOP_S = 2.0
 
 
 @serve.ingress()
 class Ingress:
     """Front door of the application; one instance per ingress replica."""
 
-    async def __init__(self, engine_replica, settings: IngressSettings | dict):
+    async def __init__(self, engine_replica, directory, settings: IngressSettings | dict):
         self.settings = IngressSettings.model_validate(settings)
-        self.replica = engine_replica
-        self.replica_stream = engine_replica.options(stream=True)
-        self.channels = OutputChannels(self.replica_stream.open_channel.remote
-                                       if self.settings.output_channels else None,
-                                       self.settings.retry_after_s, REPLICA_DEPLOYMENT)
+        self.replica = engine_replica  # the control plane's calls: the model's facts, stats
+        self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
+        self.drain_s = 0.0  # reconfigure() sets it, and the router's and the queue's settings
+        self.engines = EngineClient(directory, RoutingSettings(), 0, self.settings.retry_after_s,
+                                    RoutingMetrics(serve.get_replica_context().app_name,
+                                                   REPLICA_DEPLOYMENT),
+                                    self.replica_health.mark_dead)
+        self.engines.start()
+        # This process carries the cores' tokens: not on the CPUs they run on.
+        cpu_binding.keep_off_engine_cpus()
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
-        self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
         self.metrics = IngressMetrics()
         # Fetch the model's facts and tokenizer in the background: the first request then finds
         # them ready (a failure here is retried by the first request that needs them).
@@ -74,6 +82,13 @@ class Ingress:
                 self.settings.max_ongoing_requests, self.settings.retry_after_s, _application_id())
             await self.front_door.start()
 
+    def reconfigure(self, config: dict) -> None:
+        """Ray Serve's in-place update (`ServeSettings.ingress_user_config`): the router's
+        settings, the admission queue's bound, the drain budget."""
+        self.engines.configure_router(RoutingSettings(**config.get("routing", {})))
+        self.engines.max_queued_requests = config["max_queued_requests"]
+        self.drain_s = config["drain_s"]
+
     def model_name(self) -> str:
         return self._info.name if self._info is not None else ""
 
@@ -85,18 +100,19 @@ class Ingress:
         return self._http_app
 
     async def __del__(self):
-        """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP server."""
+        """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP server, then
+        close the connections to the cores."""
         front_door = getattr(self, "front_door", None)  # None: the constructor did not finish
-        if front_door is None:
-            return
-        from serve_app.front_door import END_STREAMS_S
+        if front_door is not None:
+            from serve_app.front_door import END_STREAMS_S
 
-        config = serve.get_replica_context()._deployment_config
-        # Ray Serve's drain of handle calls took at least one of its wait loops of the budget.
-        left_s = config.graceful_shutdown_timeout_s - config.graceful_shutdown_wait_loop_s
-        await front_door.drain(left_s - END_STREAMS_S, lambda: self.channels.fail_all(
-            errors.unavailable("the server is shutting down; retry the request",
-                               self.settings.retry_after_s)))
+            left_s = self.drain_s - SERVE_DRAIN_LOOP_S
+            await front_door.drain(left_s - END_STREAMS_S, lambda: self.engines.fail_all(
+                errors.unavailable("the server is shutting down; retry the request",
+                                   self.settings.retry_after_s)))
+        engines = getattr(self, "engines", None)
+        if engines is not None:
+            engines.shutdown()
 
     # -- model -------------------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -105,15 +121,18 @@ class Ingress:
                 if self._info is None:
                     try:
                         info = await self.replica.model_info.remote()
-                    except Exception as exc:
-                        raise self._map_error(exc) from None
+                    except Exception as exc:  # noqa: BLE001 - no replica is up (yet)
+                        logger.debug("model info unavailable: %r", exc)
+                        raise errors.unavailable("no engine replica is available",
+                                                 self.settings.retry_after_s) from None
                     # Unpickling imports transformers (seconds): keep it off the event loop.
                     tokenizer = await asyncio.to_thread(pickle.loads, info["tokenizer"])
                     self._info = ModelInfo(
                         name=info["model_name"], max_model_len=info["max_model_len"],
                         block_size=info["block_size"], vocab_size=info["vocab_size"],
                         max_logprobs=info["max_logprobs"], tokenizer=tokenizer,
-                        created=int(time.time()), tasks=tuple(info.get("tasks", ("generate",))))
+                        created=int(time.time()), tasks=tuple(info["tasks"]),
+                        pooling=info.get("pooling"))
         return self._info
 
     async def _prefetch_model_info(self) -> None:
@@ -153,13 +172,13 @@ class Ingress:
                                            p, request, request.max_tokens, request.logprobs,
                                            prompt_logprobs, info, "prompt")
                     for i, p in enumerate(prompts)]
-        replica_streams = await self._start(generate, info.tokenizer, deadline)
+        streams = await self._start(generate, info.tokenizer, deadline)
         formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
-        merged = merge_streams(replica_streams)
+        merged = merge_streams(streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams,
+            return self._observed(formatter.stream(merged), formatter, info, started, streams,
                                   deadline)
-        return await self._collected(formatter, merged, info, started, replica_streams, deadline)
+        return await self._collected(formatter, merged, info, started, streams, deadline)
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest | dict, sse: bool = False):
@@ -183,13 +202,13 @@ class Ingress:
         started = time.monotonic()
         generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
                                           num_top if request.logprobs else None, None, info, "messages")
-        replica_streams = await self._start([generate], info.tokenizer, deadline)
+        streams = await self._start([generate], info.tokenizer, deadline)
         formatter = formatters.ChatFormatter(request, info, request_id, sse, tools)
-        merged = merge_streams(replica_streams)
+        merged = merge_streams(streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, replica_streams,
+            return self._observed(formatter.stream(merged), formatter, info, started, streams,
                                   deadline)
-        return await self._collected(formatter, merged, info, started, replica_streams, deadline)
+        return await self._collected(formatter, merged, info, started, streams, deadline)
 
     # -- embeddings ----------------------------------------------------------------------------
     async def embeddings(self, request: embeddings.EmbeddingRequest | dict
@@ -209,10 +228,8 @@ class Ingress:
         else:
             token_ids = await asyncio.to_thread(tokenize)
         started = time.monotonic()
-        try:
-            vectors = await self.replica.embed.remote(EmbedRequest(random_id("embd"), token_ids))
-        except Exception as exc:
-            raise self._map_error(exc) from None
+        vectors = await self.engines.embed(random_id("embd"), token_ids,
+                                           pooling_params(info.pooling or "last"))
         response = embeddings.build_response(request, vectors, token_ids, info.name)
         self.metrics.record_request(info.name, started, None, response.usage.prompt_tokens, 0, 0)
         return response
@@ -244,7 +261,7 @@ class Ingress:
     # -- health --------------------------------------------------------------------------------
     def check_health(self) -> None:
         """Ray Serve calls this periodically (and replaces the replica where it raises)."""
-        self.channels.follow_engine_cpus()
+        cpu_binding.keep_off_engine_cpus()  # cores that came or went since (a scale change)
 
     async def health(self) -> tuple[bool, str]:
         """(healthy, reason): every engine replica running, none with a dead engine loop."""
@@ -252,13 +269,13 @@ class Ingress:
 
     async def ready(self) -> tuple[bool, str]:
         """(ready, reason): some engine replica generated a token within readiness_window_s."""
-        return await self.replica_health.ready(self.settings.readiness_window_s,
-                                               lambda: self.replica.stats.remote())
+        return self.replica_health.ready(self.settings.readiness_window_s,
+                                         self.engines.last_generation)
 
     # -- internals -----------------------------------------------------------------------------
     def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
                           logprobs: int | None, prompt_logprobs: int | None, info: ModelInfo,
-                          prompt_param: str) -> GenerateRequest:
+                          prompt_param: str) -> protocol.AddRequest:
         num_prompt = len(prompt.token_ids)
         limit = info.max_model_len
         if max_tokens is None and num_prompt >= limit:
@@ -287,9 +304,8 @@ class Ingress:
         # A stream wants each step's new tokens; a whole response only the finished request.
         params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         take_text(params)
-        return GenerateRequest(request_id, prompt.token_ids, params, prompt.text,
-                               block_hashes(prompt.token_ids, info.block_size),
-                               self.channels.channel_id, request.priority)
+        return protocol.AddRequest(request_id, prompt.token_ids, params, request.priority,
+                                   block_hashes(prompt.token_ids, info.block_size))
 
     def _deadline(self) -> float | None:
         timeout_s = self.settings.request_timeout_s
@@ -304,22 +320,18 @@ class Ingress:
         except TimeoutError:
             raise errors.request_timeout(self.settings.request_timeout_s) from None
 
-    async def _start(self, requests: list[GenerateRequest], tokenizer, deadline: float | None = None
-                     ) -> list[ReplicaStream]:
-        """Send every prompt to a replica and wait for each first delta (errors surface here);
-        `tokenizer` decodes the text of those whose text the ingress makes (`stream_text`)."""
-        send = self.replica_stream.generate.remote
-        calls = [functools.partial(send, r) for r in requests]
-        if len(calls) > 1:
-            calls = [as_own_call(call, i) for i, call in enumerate(calls)]
-        started = [ReplicaStream(call, self._map_error, self.channels, r.request_id, self.pacer, r,
-                                 None if r.params.detokenize
-                                 else StreamText(tokenizer, r.prompt_token_ids, r.params))
-                   for call, r in zip(calls, requests)]
+    async def _start(self, requests: list[protocol.AddRequest], tokenizer,
+                     deadline: float | None = None) -> list[RequestStream]:
+        """Send every prompt to an engine core and wait for each first delta (errors surface
+        here); `tokenizer` decodes the text of those whose text the ingress makes."""
+        started = [self.engines.stream(r, None if r.params.detokenize else
+                                       StreamText(tokenizer, r.prompt_token_ids, r.params),
+                                       self.pacer)
+                   for r in requests]
         try:
             results = await self._within(
                 asyncio.gather(*(s.prime() for s in started), return_exceptions=True), deadline)
-        except OpenAIError as exc:  # waited past the deadline, for a replica or in its queue
+        except OpenAIError as exc:  # waited past the deadline, for a core or in the queue
             results = [exc]
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
@@ -328,12 +340,9 @@ class Ingress:
             raise failures[0]
         return started
 
-    def _map_error(self, exc: BaseException) -> BaseException:
-        return map_replica_error(exc, self.settings.retry_after_s, self.replica_health.mark_dead)
-
-    def _record(self, formatter, info: ModelInfo, started: float, replica_streams) -> None:
+    def _record(self, formatter, info: ModelInfo, started: float, streams) -> None:
         if formatter.request.stream:
-            first = min((s.first_delta_time for s in replica_streams if s.first_delta_time),
+            first = min((s.first_delta_time for s in streams if s.first_delta_time),
                         default=None)
         else:  # only the last output came: the engine timed the first token
             ttfts = [s.ttft_s for s in formatter.states if s.ttft_s is not None]
@@ -342,18 +351,18 @@ class Ingress:
                                     formatter.num_cached_tokens, formatter.num_generated_tokens)
 
     async def _collected(self, formatter, merged, info: ModelInfo, started: float,
-                         replica_streams: list[ReplicaStream], deadline: float | None = None):
+                         streams: list[RequestStream], deadline: float | None = None):
         try:
             return await self._within(formatter.collect(merged), deadline)
         except BaseException:
-            for s in replica_streams:
+            for s in streams:
                 s.cancel()
             raise
         finally:
-            self._record(formatter, info, started, replica_streams)
+            self._record(formatter, info, started, streams)
 
     async def _observed(self, chunks: AsyncIterator, formatter, info: ModelInfo, started: float,
-                        replica_streams: list[ReplicaStream], deadline: float | None = None
+                        streams: list[RequestStream], deadline: float | None = None
                         ) -> AsyncIterator:
         finished = False
         try:
@@ -370,9 +379,9 @@ class Ingress:
             finished = True
         finally:
             if not finished:  # the client left or the stream failed: stop the engines' work
-                for s in replica_streams:
+                for s in streams:
                     s.cancel()
-            self._record(formatter, info, started, replica_streams)
+            self._record(formatter, info, started, streams)
 
 
 def _application_id() -> str:

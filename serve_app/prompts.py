@@ -21,6 +21,7 @@ class ModelInfo:
     tokenizer: Any
     created: int
     tasks: tuple[str, ...] = ("generate",)  # what the model serves: "generate", "embed"
+    pooling: str | None = None  # a decoder's pooling mode, where it embeds
 
 
 @dataclass

@@ -17,7 +17,7 @@ reported arrivals (`send_weight`). That guess is right on average but noisy (a f
 second, each counting several times: a replica's load jumped by the weight at every send and every
 end, and the least of many such loads read far too low), so reports also come far more often
 than digests where they can: every engine step whose outputs reach this ingress on a core channel
-carries the replica's queue depth and arrivals (`serve_app.core_dispatch`), and its finished
+carries the replica's queue depth and arrivals (`serve_app.engine_client`), and its finished
 requests end here first, as of that report. Whichever report is newest counts; an older one
 that arrives late (a digest through Ray) is ignored.
 

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from replicas import LLM, SamplingParams
-from replicas.async_engine import AsyncEngine
+from serve_app.errors import OpenAIError
 from replicas.config import EngineConfig
 from tests.tiny_models import build_tiny_model
 
@@ -112,46 +112,49 @@ def test_chat_applies_template(llm):
     assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_async_engine_streams_and_aborts(model_dir):
-    async def main():
-        engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=256))
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        texts = [out.outputs[0].text async for out in engine.generate("hello world", params, "s1")]
-        assert len(texts) >= 2 and all(texts[-1].startswith(t) for t in texts)
-        stream = engine.generate("hello world", params.clone(max_tokens=200), "s2")
-        await stream.__anext__()
-        await stream.aclose()  # a client that goes away
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if not engine.engine.has_unfinished_requests():
-                break
-        stats = engine.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        with pytest.raises(ValueError, match="maximum context length"):
-            async for _ in engine.generate([3] * 300, params, "s3"):
-                pass
-        assert engine.is_healthy()
-        engine.shutdown()
-        return texts[-1]
+def test_a_core_streams_and_aborts(model_dir):
+    from tests.core_harness import generate, running_core, started
 
-    last = asyncio.run(main())
+    async def main():
+        async with running_core(EngineConfig(model=model_dir, max_model_len=256)) as (core, client):
+            tokenizer = core.tokenizer()
+            prompt = tokenizer.encode("hello world")
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            stream = await started(client, "s1", prompt, params)
+            deltas = [out async for out in stream]
+            assert len(deltas) >= 2 and deltas[-1].finished
+            stream = await started(client, "s2", prompt, params.clone(max_tokens=200))
+            stream.cancel()  # a client that goes away
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if not core.stats["num_requests"] and core.stats["kv_blocks_free"] \
+                        == core.stats["kv_blocks_total"]:
+                    break
+            assert core.stats["kv_blocks_free"] == core.stats["kv_blocks_total"]
+            with pytest.raises(OpenAIError, match="maximum context length"):
+                await generate(client, "s3", [3] * 300, params)
+            assert core.is_healthy()
+            return sum((d.outputs[0].token_ids for d in deltas), [])
+
+    tokens = asyncio.run(main())
     offline = LLM(model_dir, max_model_len=256).generate(
         "hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert last == offline[0].outputs[0].text
+    assert tokens == offline[0].outputs[0].token_ids
 
 
 def test_delta_and_final_only_outputs(model_dir):
     from replicas.sampling_params import RequestOutputKind
+    from tests.core_harness import running_core, started
 
     async def main():
-        engine = AsyncEngine(EngineConfig(model=model_dir, max_model_len=256))
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=1)
-        deltas = [out async for out in engine.generate(
-            "hello world", params.clone(output_kind=RequestOutputKind.DELTA), "d")]
-        finals = [out async for out in engine.generate(
-            "hello world", params.clone(output_kind=RequestOutputKind.FINAL_ONLY), "f")]
-        engine.shutdown()
-        return deltas, finals
+        async with running_core(EngineConfig(model=model_dir, max_model_len=256)) as (core, client):
+            prompt = core.tokenizer().encode("hello world")
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=1)
+            deltas = [out async for out in await started(
+                client, "d", prompt, params.clone(output_kind=RequestOutputKind.DELTA))]
+            finals = [out async for out in await started(
+                client, "f", prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))]
+            return deltas, finals
 
     deltas, finals = asyncio.run(main())
     whole = LLM(model_dir, max_model_len=256).generate("hello world", SamplingParams(

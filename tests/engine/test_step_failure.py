@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine
 from replicas.errors import StepFailed
@@ -60,27 +59,46 @@ def test_only_the_steps_requests_fail(tiny_model_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_async_engine_serves_on_after_one_failure_and_stops_after_two(tiny_model_dir):
+class FailingEngine(LLMEngine):
+    """Fails every step that runs a request whose id starts with "fail"."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        execute = self.runner.execute
+
+        def faulty(scheduler_output):
+            if any(s.seq.request_id.startswith("fail") for s in scheduler_output.scheduled):
+                raise RuntimeError("injected")
+            return execute(scheduler_output)
+        self.runner.execute = faulty
+
+
+def test_a_core_serves_on_after_one_failure_and_stops_after_two(tiny_model_dir):
+    from serve_app.errors import OpenAIError
+    from tests.core_harness import generate, running_core
+
+    config = EngineConfig(model=str(tiny_model_dir("llama")), num_threads=1, num_kv_blocks=64,
+                          block_size=16, max_model_len=256)
+
     async def main():
-        engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir("llama")), num_threads=1,
-                                          num_kv_blocks=64, block_size=16, max_model_len=256))
-
-        async def generate(request_id):
-            return [o async for o in engine.generate([5, 6, 7], PARAMS, request_id)]
-
-        _fail_next_steps(engine.engine, 1)
-        with pytest.raises(StepFailed):
-            await generate("first")
-        assert engine.is_healthy()
-        (output,) = await generate("second")
-        assert len(output.outputs[0].token_ids) == 6
-
-        _fail_next_steps(engine.engine, 2)
-        with pytest.raises(StepFailed):
-            await generate("third")
-        with pytest.raises(RuntimeError, match="engine loop died"):
-            await generate("fourth")
-        assert not engine.is_healthy()
-        engine.shutdown()
+        async with running_core(config, engine_class=f"{__name__}:FailingEngine") as (core, client):
+            with pytest.raises(OpenAIError, match="injected") as failed:
+                await generate(client, "fail-first", [5, 6, 7], PARAMS)
+            assert failed.value.status_code == 500 and failed.value.code == "engine_step_failed"
+            assert core.is_healthy()
+            output = await generate(client, "second", [5, 6, 7], PARAMS)
+            assert len(output.outputs[0].token_ids) == 6
+            with pytest.raises(OpenAIError, match="injected"):
+                await generate(client, "fail-third", [5, 6, 7], PARAMS)
+            with pytest.raises(OpenAIError):  # the second failure in a row: the core stops
+                await generate(client, "fail-fourth", [5, 6, 7], PARAMS)
+            for _ in range(100):
+                if not core.is_healthy():
+                    break
+                await asyncio.sleep(0.05)
+            assert not core.is_healthy() and "injected" in str(core.error)
+            with pytest.raises(OpenAIError) as gone:  # nowhere left to send it
+                await generate(client, "fifth", [5, 6, 7], PARAMS)
+            assert gone.value.status_code == 503
 
     asyncio.run(main())

@@ -54,7 +54,8 @@ def cluster(fault_file):
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "PAGEDSERVE_FAULT_FILE": str(fault_file)}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
+    # A cluster of its own, whatever else runs on the machine (`ray start` elsewhere).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
              _system_config={"metrics_report_interval_ms": 1000})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -1,8 +1,9 @@
-"""The real AsyncEngine with injectable faults. Once the file named by PAGEDSERVE_FAULT_FILE
+"""The real LLMEngine with injectable faults (an engine core runs it as
+`engine_class="tests.serve.faulty_engine:FaultyEngine"`). Once the file named by PAGEDSERVE_FAULT_FILE
 exists, it is consumed and, a few steps later, its contents choose the fault:
 
 - "die" (or empty): every forward pass from then on raises, as a broken device would: the first
-  failed step fails its requests, the second in a row stops the engine loop.
+  failed step fails its requests, the second in a row stops the engine core's loop.
 - "once": one forward pass raises, as a bad batch would: its requests fail, the rest go on.
 - "stall": the forward pass hangs, as a wedged device would: the engine has work and makes no steps.
 """
@@ -11,17 +12,17 @@ from __future__ import annotations
 import os
 import threading
 
-from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
 
 STEPS_BEFORE_FAULT = 3
 STALL_S = 600.0
 
 
-class FaultyEngine(AsyncEngine):
+class FaultyEngine(LLMEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
-        runner = self.engine.runner
+        runner = self.runner
         execute = runner.execute
         fault_file = os.environ.get("PAGEDSERVE_FAULT_FILE", "")
         armed: dict = {}  # "at": the step the fault fires at, "mode": which fault
@@ -32,8 +33,8 @@ class FaultyEngine(AsyncEngine):
                 with open(fault_file) as f:
                     mode = f.read().strip() or "die"
                 os.remove(fault_file)
-                armed.update(at=self.engine.num_steps + STEPS_BEFORE_FAULT, mode=mode)
-            if armed and self.engine.num_steps >= armed["at"]:
+                armed.update(at=self.num_steps + STEPS_BEFORE_FAULT, mode=mode)
+            if armed and self.num_steps >= armed["at"]:
                 if armed["mode"] == "stall":
                     never.wait(STALL_S)
                 elif armed["mode"] == "once":

@@ -6,7 +6,6 @@ import pickle
 
 import pytest
 
-from replicas.deployment import EngineReplicaDead
 from replicas.outputs import CompletionOutput, Logprob, RequestOutput
 from serve_app.config import ServeSettings
 from serve_app.errors import OpenAIError, from_validation_error
@@ -19,12 +18,9 @@ def test_settings_split_engine_and_serving_keys():
     assert s.engine.model == "/m" and s.engine.max_num_seqs == 8
     assert s.engine.enable_prefix_caching is False and s.engine.num_threads == 1
     assert s.num_replicas == 2 and s.api_keys == ["a", "b"]
-    # the batch, plus one slot for the ingress replica's output channel
-    assert s.replica_ongoing_limit == 8 + 1 and s.replica_cpus == 1.0
-    off = ServeSettings.from_args({"max_num_seqs": "8", "output_channels": "false"}, env={})
-    assert off.replica_ongoing_limit == 8 and not off.channels_enabled
-    custom = ServeSettings.from_args({"request_router_class": "x:Y"}, env={})
-    assert not custom.channels_enabled  # only the default router pins a channel to its replica
+    assert s.core_max_requests == 8 and s.replica_cpus == 1.0  # a core holds its batch
+    assert ServeSettings.from_args({"replica_max_ongoing_requests": "12"},
+                                   env={}).core_max_requests == 12
 
 
 def test_settings_keys_from_environment_and_nested_engine():
@@ -52,8 +48,6 @@ def test_openai_error_survives_pickling_and_renders():
                                                                         "engine_overloaded", 3)
     response = err.to_response()
     assert response.status_code == 429 and response.headers["retry-after"] == "3"
-    dead = pickle.loads(pickle.dumps(EngineReplicaDead("r1", "boom")))
-    assert dead.replica_id == "r1" and "boom" in str(dead)
 
 
 def test_validation_errors_name_the_field():
@@ -180,37 +174,13 @@ def test_logprob_shapes():
     assert chat.content[0].token == "b" and [t.token for t in chat.content[0].top_logprobs] == ["a", "b"]
 
 
-def test_fanned_out_calls_each_get_their_own_request_id():
-    from ray.serve import context
-
-    from serve_app.replica_stream import as_own_call
-
-    seen = []
-
-    def send():
-        seen.append(context._get_serve_request_context()._internal_request_id)
-
-    async def main():
-        context._serve_request_context.set(context._RequestContext(_internal_request_id="parent"))
-        calls = [as_own_call(send, i) for i in range(3)]
-
-        async def run(call):
-            call()
-
-        await asyncio.gather(*(run(c) for c in calls))
-        return context._get_serve_request_context()._internal_request_id
-
-    assert asyncio.run(main()) == "parent"  # the parent's own id is untouched
-    assert sorted(seen) == ["parent-0", "parent-1", "parent-2"]
-
-
 def test_replica_counts_autoscaling_and_routing_are_not_ingress_constructor_arguments():
     """Ray Serve updates a deployment in place (no restart, no cut stream) when only its options
     change: settings that steer the engine replicas must not reach the ingress's arguments."""
     from serve_app import build_app
 
     def ingress_args(**changes):
-        return build_app({"model": None, **changes})._bound_deployment.init_args[1]
+        return build_app({"model": None, **changes})._bound_deployment.init_args[2]
 
     base = ingress_args()
     for changes in ({"num_replicas": 3}, {"min_replicas": 1, "max_replicas": 4},
@@ -219,6 +189,18 @@ def test_replica_counts_autoscaling_and_routing_are_not_ingress_constructor_argu
                     {"replica_max_ongoing_requests": 7}, {"graceful_shutdown_timeout_s": 90}):
         assert ingress_args(**changes) == base, changes
     assert ingress_args(api_keys="k")["api_keys"] == ["k"]  # what the ingress does use, it gets
+
+
+def test_the_ingress_takes_its_router_and_queue_settings_in_place():
+    """The router and the admission queue are the ingress's own: their settings are its
+    user_config, which Ray Serve applies to running replicas (`Ingress.reconfigure`)."""
+    from serve_app.app import ingress_options
+
+    s = ServeSettings.from_args({"max_queued_requests": "5",
+                                 "request_router_kwargs": '{"load_override_threshold": 2}'}, env={})
+    config = ingress_options(s)["user_config"]
+    assert config["max_queued_requests"] == 5
+    assert config["routing"] == {"load_override_threshold": 2}
 
 
 def test_the_ingress_drains_as_long_as_the_engine_replicas():

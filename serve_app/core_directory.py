@@ -1,0 +1,62 @@
+"""CoreDirectory: where the ingress replicas learn which engine cores there are and how to reach them.
+
+A Ray Serve deployment of one small replica. Each engine replica publishes its core's address once
+it is ready and again every PUBLISH_PERIOD_S (so a restarted directory fills up again at once,
+and a replica that was killed without withdrawing drops out after ENTRY_TTL_S); it withdraws it
+when it starts to drain. Each ingress replica long-polls `watch` and keeps a connection to every
+core listed. Ray Serve stays the control plane (it starts, scales, replaces and drains the
+replicas); the directory only tells the ingresses where the cores it started listen.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+PUBLISH_PERIOD_S = 2.0
+ENTRY_TTL_S = 3 * PUBLISH_PERIOD_S + 1.0
+WATCH_TIMEOUT_S = 10.0
+
+
+class CoreDirectory:
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.entries: dict[str, tuple[list, float]] = {}  # replica id -> (address, published at)
+        self.version = 0
+        self._changed = asyncio.Event()
+
+    def publish(self, replica_id: str, address: list) -> None:
+        """address: [host, port, token] of the replica's core."""
+        old = self.entries.get(replica_id)
+        self.entries[replica_id] = (list(address), self.clock())
+        if old is None or old[0] != list(address):
+            self._bump()
+        self._expire()
+
+    def withdraw(self, replica_id: str) -> None:
+        if self.entries.pop(replica_id, None) is not None:
+            self._bump()
+
+    async def watch(self, version: int, timeout_s: float = WATCH_TIMEOUT_S
+                    ) -> tuple[int, dict[str, list]]:
+        """The listing once it differs from `version` (or after timeout_s): (version, entries)."""
+        deadline = self.clock() + timeout_s
+        while version == self.version and self.clock() < deadline:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(PUBLISH_PERIOD_S,
+                                                                 deadline - self.clock()))
+            except asyncio.TimeoutError:
+                self._expire()
+        return self.version, {replica_id: entry[0] for replica_id, entry in self.entries.items()}
+
+    def _expire(self) -> None:
+        horizon = self.clock() - ENTRY_TTL_S
+        stale = [r for r, (_, seen) in self.entries.items() if seen < horizon]
+        for replica_id in stale:
+            del self.entries[replica_id]
+        if stale:
+            self._bump()
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()

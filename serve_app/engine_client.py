@@ -1,0 +1,425 @@
+"""EngineClient: the ingress's one way to the engine cores, and each request's stream on it.
+
+The client keeps a `CoreLink` to every core its directory lists (`serve_app/core_directory.py`),
+and owns the router (`RouterState`): each core's routing digest and step reports arrive on its
+link and feed it directly. A request is sent to the first core of its ranking that is connected
+and takes it; a core at its limit (or draining) refuses, and the request goes down the ranking.
+When every core refuses, the request waits in this ingress's one admission queue, first come
+first served, and past `max_queued_requests` it is answered 429. A request whose core goes away
+before its first output is sent again elsewhere; one that had started streaming ends with 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+
+from replicas import protocol
+from replicas.outputs import RequestOutput
+from replicas.output_queue import OutputQueue
+from serve_app import errors
+from serve_app.core_link import CoreLink
+from serve_app.errors import OpenAIError
+from serve_app.routing.metrics import RoutingMetrics
+from serve_app.routing.policy import RoutingSettings
+from serve_app.routing.router_state import RouterState
+from serve_app.stream_pacer import StreamPacer
+from serve_app.stream_text import StreamText
+
+logger = logging.getLogger(__name__)
+
+WATCH_RETRY_S = 1.0  # after the directory failed to answer
+RECONNECT_S = 1.0  # after a link to a listed core failed
+ADMISSION_POLL_S = 0.05  # the head of the queue retries this often (room freed elsewhere)
+QUEUED_REPORT_S = 0.5  # how often the cores hear of the requests waiting here for them
+# With no core to send to (none started yet, or all gone), a request waits this long for one.
+NO_CORE_WAIT_S = 30.0
+
+
+class Refused(Exception):
+    """The core did not take the request (full or draining): try the next one."""
+
+
+class LinkLost(Exception):
+    """The request's core went away before its first output: send it again elsewhere."""
+
+
+class EngineClient:
+    def __init__(self, directory, routing: RoutingSettings, max_queued_requests: int,
+                 retry_after_s: int, metrics: RoutingMetrics | None = None,
+                 on_replica_lost: Callable[[str], None] | None = None):
+        self.directory = directory  # a handle to the CoreDirectory deployment
+        self.client_id = uuid.uuid4().hex
+        self.router = RouterState(routing)
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.retry_after_s = retry_after_s
+        self.on_replica_lost = on_replica_lost or (lambda replica_id: None)
+        self.links: dict[str, CoreLink] = {}
+        self.live_ids: tuple[str, ...] = ()  # the usable links' replicas, for the router
+        self.last_generation: dict[str, float | None] = {}  # per core, from its digests
+        self.waiting: collections.deque[RequestStream] = collections.deque()
+        self.no_core_wait_s = NO_CORE_WAIT_S
+        self._tasks: set[asyncio.Task] = set()
+        self._version = -1
+        self._connected = asyncio.Event()
+
+    def configure_router(self, routing: RoutingSettings) -> None:
+        """New settings, a new router (the cores' next digests fill it again)."""
+        if routing != self.router.settings:
+            self.router = RouterState(routing)
+            self.router.retain(self.live_ids)
+
+    def start(self) -> None:
+        self._spawn(self._watch())
+        self._spawn(self._report_queued())
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- which cores there are --------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self._version, entries = await self.directory.watch.remote(self._version)
+            except Exception as exc:  # noqa: BLE001 - restarting: keep the links we have
+                logger.debug("core directory unavailable: %r", exc)
+                await asyncio.sleep(WATCH_RETRY_S)
+                continue
+            self._reconcile({replica_id: tuple(address) for replica_id, address in entries.items()})
+
+    def _reconcile(self, entries: dict[str, tuple[str, int, str]]) -> None:
+        for replica_id, link in list(self.links.items()):
+            if replica_id not in entries or link.address != entries[replica_id]:
+                link.withdrawn = True
+                if not link.requests:
+                    link.close()
+        for replica_id, address in entries.items():
+            link = self.links.get(replica_id)
+            if link is None or link.address != address:
+                self._connect(CoreLink(replica_id, address))
+        self._update_live()
+
+    def _connect(self, link: CoreLink) -> None:
+        self.links[link.replica_id] = link
+        self._spawn(link.run(self))
+
+    def link_usable(self, link: CoreLink) -> None:
+        self._update_live()
+        self._wake_waiting()
+
+    def link_closed(self, link: CoreLink) -> None:
+        if self.links.get(link.replica_id) is link:
+            del self.links[link.replica_id]
+            if not link.withdrawn:
+                if not link.draining and link.connected:
+                    self.on_replica_lost(link.replica_id)
+                self._spawn(self._reconnect(link))
+        self._update_live()
+        for stream in list(link.requests.values()):
+            stream.lost()
+
+    async def _reconnect(self, link: CoreLink) -> None:
+        """A core still listed whose link failed: try it again (the listing goes once its
+        replica is gone)."""
+        await asyncio.sleep(RECONNECT_S)
+        if link.replica_id not in self.links and not link.withdrawn:
+            self._connect(CoreLink(link.replica_id, link.address))
+
+    def _update_live(self) -> None:
+        live = tuple(replica_id for replica_id, link in self.links.items() if link.usable)
+        if live != self.live_ids:
+            self.live_ids = live
+            self.router.retain(live)
+            for replica_id in [r for r in self.last_generation if r not in self.links]:
+                del self.last_generation[replica_id]
+        if live:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    # -- what the cores send ----------------------------------------------------------------------
+    def on_outputs(self, link: CoreLink, message: protocol.CoreOutputs) -> None:
+        requests = link.requests
+        for output in message.outputs:
+            stream = requests.get(output.request_id)
+            if stream is not None:
+                if output.finished:
+                    del requests[output.request_id]
+                stream.queue.put(output)
+        for failure in message.failures:
+            stream = requests.pop(failure.request_id, None)
+            if stream is not None:
+                stream.queue.put(self._error(failure))
+        if message.report is not None:
+            ids = [o.request_id for o in message.outputs]
+            self.router.observe_step(link.replica_id, ids,
+                                     [o.request_id for o in message.outputs if o.finished],
+                                     message.report)
+        if message.digest is not None and self.router.observe(link.replica_id, message.digest):
+            self.last_generation[link.replica_id] = message.digest.get("last_generation_time")
+            if self.metrics is not None:
+                self.metrics.record_load(link.replica_id, self.router.load(link.replica_id))
+        if message.draining and not link.draining:
+            link.draining = True
+            self._update_live()
+        if message.failures or any(o.finished for o in message.outputs):
+            self._wake_waiting()
+
+    def _error(self, failure: protocol.Failure) -> BaseException:
+        if failure.kind == protocol.REFUSED:
+            return Refused(failure.message)
+        if failure.kind == protocol.INVALID:
+            return errors.bad_request(failure.message, failure.param)
+        if failure.kind == protocol.STEP_FAILED:
+            return OpenAIError(failure.message, 500, code="engine_step_failed")
+        return errors.internal_error(RuntimeError(failure.message))
+
+    # -- sending ----------------------------------------------------------------------------------
+    def stream(self, request: protocol.AddRequest, text: StreamText | None = None,
+               pacer: StreamPacer | None = None) -> RequestStream:
+        return RequestStream(self, request, text, pacer)
+
+    def place(self, stream: RequestStream, tried: set[str]) -> CoreLink | None:
+        """Send the request to the best core it has not tried; None when none is left."""
+        hashes = stream.request.block_hashes or []
+        decision = self.router.choose(None, hashes, self.live_ids) if self.live_ids else None
+        if decision is None:
+            return None
+        stream.first_choice = decision.replica_id
+        for replica_id in decision.ranking():
+            link = self.links.get(replica_id)
+            if replica_id in tried or link is None or not link.usable:
+                continue
+            reason, stream.sent_at = self.router.dispatched(stream.request_id, replica_id, hashes,
+                                                            decision)
+            if self.metrics is not None:
+                self.metrics.record_decision(reason)
+            link.add(stream)
+            return link
+        return None
+
+    async def admit(self, stream: RequestStream, front: bool = False) -> None:
+        """Wait in the admission queue until it is this request's turn and room may have freed
+        (the caller then tries the cores again). `front`: a request whose turn it was, refused
+        after all, keeps its place at the head."""
+        if not stream.queued:
+            if not front and 0 <= self.max_queued_requests <= len(self.waiting):
+                raise errors.overloaded(self.retry_after_s)
+            self.waiting.appendleft(stream) if front else self.waiting.append(stream)
+            stream.queued = True
+        stream.wake = asyncio.get_running_loop().create_future()
+        try:
+            if not self.live_ids:
+                try:
+                    await asyncio.wait_for(self._connected.wait(), self.no_core_wait_s)
+                except asyncio.TimeoutError:
+                    raise errors.unavailable("no engine replica is available",
+                                             self.retry_after_s) from None
+            elif self.waiting[0] is stream:
+                await asyncio.wait_for(asyncio.shield(stream.wake), ADMISSION_POLL_S)
+            else:
+                await stream.wake
+        except asyncio.TimeoutError:
+            pass
+
+    def leave_queue(self, stream: RequestStream) -> None:
+        if stream.queued:
+            stream.queued = False
+            self.waiting.remove(stream)
+            self._wake_waiting()
+
+    def _wake_waiting(self) -> None:
+        if self.waiting:
+            wake = self.waiting[0].wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+
+    async def _report_queued(self) -> None:
+        """Each core hears how many requests wait here with it first in their ranking: its
+        queue for the autoscaler, which would otherwise see full replicas and no queue."""
+        while True:
+            await asyncio.sleep(QUEUED_REPORT_S)
+            counts = collections.Counter(s.first_choice for s in self.waiting)
+            for replica_id, link in self.links.items():
+                link.queued(counts.get(replica_id, 0))
+
+    def request_ended(self, stream: RequestStream) -> None:
+        self.router.completed(stream.request_id)
+        self._wake_waiting()
+
+    # -- embeddings -------------------------------------------------------------------------------
+    async def embed(self, request_id: str, token_ids: list[list[int]], params) -> np.ndarray:
+        """One pooling request per input, in order -> float32 [len(token_ids), hidden]."""
+        streams = [self.stream(protocol.AddRequest(f"{request_id}-{i}", ids, params))
+                   for i, ids in enumerate(token_ids)]
+        try:
+            await asyncio.gather(*(s.prime() for s in streams))
+            rows = [s.first.embedding for s in streams]
+        finally:
+            for s in streams:
+                s.cancel()
+        return np.asarray(rows, dtype=np.float32).reshape(len(token_ids), -1)
+
+    def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for link in list(self.links.values()):
+            link.close()
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request this ingress waits on with `error` (its stream sends it as an event)."""
+        for link in list(self.links.values()):
+            for stream in list(link.requests.values()):
+                stream.queue.put(error)
+
+
+class RequestStream:
+    """One request on its way through a core: `prime()` sends it and waits for its first output,
+    so errors (a full queue, a bad request) surface before a response starts; iteration yields
+    its outputs, the pending deltas folded into one when the consumer is behind."""
+
+    def __init__(self, client: EngineClient, request: protocol.AddRequest,
+                 text: StreamText | None = None, pacer: StreamPacer | None = None):
+        self.client = client
+        self.request = request
+        self.request_id = request.request_id
+        self.text = text
+        self.pacer = pacer or StreamPacer(0)
+        self.queue = OutputQueue()
+        self.link: CoreLink | None = None
+        self.first: RequestOutput | None = None
+        self.first_delta_time: float | None = None
+        self.first_choice: str | None = None
+        self.sent_at = 0.0
+        self.queued = False  # in the admission queue
+        self.wake: asyncio.Future | None = None
+        self.finished = False
+
+    async def prime(self) -> None:
+        client = self.client
+        tried: set[str] = set()
+        had_turn = False  # it reached the head of the queue: a refusal keeps it there
+        try:
+            while True:
+                if client.waiting and not had_turn:  # those waiting go first
+                    await client.admit(self)
+                    had_turn = True
+                self.link = client.place(self, tried)
+                if self.link is None:
+                    await client.admit(self, front=had_turn)
+                    had_turn = True
+                    tried.clear()
+                    continue
+                client.leave_queue(self)  # sent: the next in line may try too
+                try:
+                    self.first = await self.queue.get()
+                    break
+                except Refused:
+                    client.router.refused(self.request_id, self.link.replica_id,
+                                          self.request.block_hashes or [], self.sent_at)
+                    tried.add(self.link.replica_id)
+                except LinkLost:
+                    client.router.completed(self.request_id)
+                    tried.add(self.link.replica_id)
+                self.link = None
+                self.queue = OutputQueue()
+        except BaseException:
+            client.leave_queue(self)
+            self.cancel()
+            raise
+        self.first_delta_time = time.monotonic()
+        client.router.first_output(self.request_id)
+
+    def lost(self) -> None:
+        """Its core went away."""
+        if self.first is None and self.first_delta_time is None:
+            self.queue.put(LinkLost())
+        else:
+            self.queue.put(errors.unavailable("the engine replica serving this request went away",
+                                              self.client.retry_after_s))
+
+    def cancel(self) -> None:
+        """Stop the request in its core (the client left, or the request failed)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.link is not None:
+            self.link.abort(self.request_id)
+            self.client.request_ended(self)
+
+    def _done(self) -> None:
+        self.finished = True
+        if self.link is not None:
+            self.link.requests.pop(self.request_id, None)
+            self.client.request_ended(self)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        output, self.first = self.first, None
+        pacer = self.pacer
+        text = self.text
+        pacer.num_streams += 1
+        try:
+            while True:
+                sent = time.monotonic()
+                if text is not None:
+                    text.fill(output)
+                yield output
+                pacer.sent()
+                if output.finished:
+                    self._done()
+                    return
+                try:
+                    output = await self.queue.get()
+                    wait = pacer.interval_s() - (time.monotonic() - sent)
+                    if wait > 0 and not output.finished:
+                        await asyncio.sleep(wait)
+                        later = self.queue.get_nowait()
+                        if later is not None:
+                            output.add(later)
+                except Exception:  # the request failed: nothing is left to cancel
+                    self._done()
+                    raise
+        finally:  # a consumer that left early still has to cancel() the request
+            pacer.num_streams -= 1
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, delta) as they arrive. One stream is iterated directly (the common case)."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+            queue.put_nowait((i, end))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
