@@ -1,9 +1,10 @@
-"""Prefix-affinity routing vs Ray Serve's default router, on a shared-prefix chat workload.
+"""Prefix-affinity routing vs routing by load alone, on a shared-prefix chat workload.
 
 Several system prompts of about 512 tokens, each followed by many short user turns, arrive
 interleaved (Poisson arrivals) at an OpenAI-compatible app with 2 engine replicas on this machine.
-The same workload runs twice in one process: once with our `PrefixAffinityRouter`, once with Ray
-Serve's default (power of two choices), each on fresh replicas. Each replica's KV cache holds only
+The same workload runs twice in one process: once with the ingress's prefix-affinity router, once
+with `prefix_affinity=false` (power of two choices by load, Ray Serve's default router's rule),
+each on fresh replicas. Each replica's KV cache holds only
 part of all the system prompts (`--cache-fraction`), as in production, where affinity matters.
 
 Prints the cluster prefix-cache hit rate (from `usage.prompt_tokens_details.cached_tokens`) next to
@@ -27,8 +28,9 @@ from bench.common import free_port, write_result
 from replicas.block_hash import block_hashes
 
 APP_NAME = "pagedserve"
-OUR_ROUTER = "serve_app.routing.router:PrefixAffinityRouter"
-RAY_DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+# The router's settings for each run: ours, and load alone (power of two choices, prefixes
+# ignored, as Ray Serve's default router routes).
+ROUTERS = {"prefix_affinity": {}, "default": {"prefix_affinity": False}}
 
 
 @dataclass
@@ -107,14 +109,14 @@ def make_workload(args) -> list[Turn]:
     return workload
 
 
-def settings(args, model_dir: str, router: str) -> dict:
+def settings(args, model_dir: str, router: dict) -> dict:
     blocks_per_prompt = -(-args.system_tokens // args.block_size)
     num_kv_blocks = int(args.cache_fraction * args.system_prompts * blocks_per_prompt) \
         + args.max_num_seqs * 4
     return dict(model=model_dir, served_model_name="bench", num_replicas=args.replicas,
                 replica_num_cpus=0.5, num_threads=1, block_size=args.block_size,
                 max_model_len=1024, max_num_seqs=args.max_num_seqs, num_kv_blocks=num_kv_blocks,
-                request_router_class=router, request_router_kwargs={})
+                request_router_kwargs=router)
 
 
 async def tokenize_all(base_url: str, workload: list[Turn]) -> None:
@@ -204,7 +206,7 @@ def summarize(results: list[Result], ideal: list[int], prompt_lens: list[int]) -
     }
 
 
-def run_router(args, model_dir: str, router: str, workload: list[Turn], base_url: str) -> list[Result]:
+def run_router(args, model_dir: str, router: dict, workload: list[Turn], base_url: str) -> list[Result]:
     from ray import serve
 
     from serve_app import build_app
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs = {}
     try:
-        for name, router in (("prefix_affinity", OUR_ROUTER), ("default", RAY_DEFAULT_ROUTER)):
+        for name, router in ROUTERS.items():
             print(f"running {len(workload)} requests with the {name} router ...", flush=True)
             runs[name] = run_router(args, model_dir, router, workload, base_url)
     finally:

@@ -174,8 +174,9 @@ MEANINGS: dict[str, str] = {
     "downscale_delay_s": "Seconds below target before scaling down; none: the policy's default",
     "replica_num_cpus": "Ray CPUs per engine replica; none: num_threads",
     "replica_num_gpus": "Ray GPUs per engine replica (1 on a GPU node)",
-    "replica_max_ongoing_requests": "Requests Ray sends one replica at once; none: max_num_seqs",
-    "max_queued_requests": "Requests waiting for a replica per ingress before 429 (-1: unbounded)",
+    "replica_max_ongoing_requests": "Requests one engine core holds at once (it refuses more); "
+                                    "none: max_num_seqs",
+    "max_queued_requests": "Requests waiting for room per ingress before 429 (-1: unbounded)",
     "retry_after_s": "Retry-After seconds on 429/503",
     "health_check_period_s": "Seconds between Ray Serve health checks of a replica",
     "health_check_timeout_s": "Seconds a health check may take",
@@ -189,14 +190,11 @@ MEANINGS: dict[str, str] = {
     "num_ingress_replicas": "Ingress (HTTP front) replicas",
     "ingress_num_cpus": "Ray CPUs per ingress replica",
     "ingress_max_ongoing_requests": "Requests one ingress replica takes at once (503 beyond)",
-    "output_channels": "Stream outputs over one channel per ingress and engine replica",
-    "core_channels": "Those channels connect straight to the engine core process over TCP",
     "max_stream_events_per_s": "SSE events per second per ingress; none: measured; 0: no pacing",
     "max_stream_delay_s": "Longest pacing holds back a stream's tokens",
     "engine_process": "Each replica's engine steps in a process of its own (no GIL shared with "
                       "Ray Serve)",
-    "engine_class": "Import path of a custom engine class; none: the engine core",
-    "request_router_class": "Import path of a Ray Serve request router; none: prefix affinity",
-    "request_router_kwargs": "JSON keyword arguments for the request router",
+    "engine_class": "Import path of an LLMEngine subclass for the engine core to run",
+    "request_router_kwargs": "JSON settings of the ingress's prefix-affinity router",
     "autoscaling_policy": "Import path of an autoscaling policy; none: the queue-depth policy",
 }

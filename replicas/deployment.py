@@ -82,12 +82,22 @@ class EngineReplica:
                 "replica_id": self.replica_id}
 
     async def _publish(self) -> None:
-        while True:
+        """The core's address in the directory while the core lives (a dead one is withdrawn,
+        so the ingresses stop trying it while Ray Serve replaces this replica)."""
+        while self.core.is_healthy():
             try:
                 await self.directory.publish.remote(self.replica_id, list(self.core.address))
             except Exception:  # noqa: BLE001 - the directory restarts: publish again next time
                 logger.debug("could not publish the core's address", exc_info=True)
             await asyncio.sleep(PUBLISH_PERIOD_S)
+        await self._withdraw()
+
+    async def _withdraw(self) -> None:
+        try:  # the directory may be stopping too: do not wait long
+            await asyncio.wait_for(self.directory.withdraw.remote(self.replica_id),
+                                   WITHDRAW_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - its entry expires; the core's drain tells ingresses
+            logger.debug("could not withdraw the core's address", exc_info=True)
 
     # -- autoscaling, health, metrics -----------------------------------------------------------
     def record_autoscaling_stats(self) -> dict:
@@ -133,16 +143,12 @@ class EngineReplica:
     async def _drain_and_shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        try:
-            if self.directory is not None:  # the directory may be stopping too: do not wait long
-                await asyncio.wait_for(self.directory.withdraw.remote(self.replica_id),
-                                       WITHDRAW_TIMEOUT_S)
-            if self.core.is_healthy() and not await self.core.drain(
-                    max(0.0, self.drain_s - DRAIN_MARGIN_S)):
-                logger.warning("engine replica %s stopped with requests still running",
-                               self.replica_id)
-        except Exception:  # noqa: BLE001 - the core or the directory is gone: nothing to drain
-            logger.debug("drain failed", exc_info=True)
+        if self.directory is not None:
+            await self._withdraw()
+        if self.core.is_healthy() and not await self.core.drain(
+                max(0.0, self.drain_s - DRAIN_MARGIN_S)):
+            logger.warning("engine replica %s stopped with requests still running",
+                           self.replica_id)
         self.shutdown()
 
     def shutdown(self) -> None:

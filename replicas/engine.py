@@ -1,6 +1,7 @@
 """LLMEngine: one replica's engine. step() = schedule -> execute -> update, as in vLLM v1.
 
-Knows nothing of Ray or asyncio: the offline `LLM` drives it directly, `AsyncEngine` from a loop.
+Knows nothing of Ray or asyncio: the offline `LLM` drives it directly, an engine core
+(`replicas/engine_core.py`) from its loop.
 """
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             if logprobs is not None:
-                self._fill_decoded([logprobs])
+                if request.sampling_params.detokenize:  # else the ingress decodes them
+                    self._fill_decoded([logprobs])
                 request.logprobs[seq.index].append(logprobs)
                 request.cumulative_logprobs[seq.index] += logprobs[token_id].logprob
             self._detokenize(request, seq, token_id)
@@ -312,7 +314,8 @@ class LLMEngine:
         known = self.requests[seq.request_id].prompt_logprobs
         skip = len(known) - (start + 1)
         if 0 <= skip < len(positions):
-            self._fill_decoded(positions[skip:])
+            if self.requests[seq.request_id].sampling_params.detokenize:
+                self._fill_decoded(positions[skip:])
             known.extend(positions[skip:])
 
     def _fill_decoded(self, positions) -> None:

@@ -68,11 +68,14 @@ def make_engine(config: EngineConfig, engine_class: str | None = None):
 
 
 class EngineCore:
-    def __init__(self, start: protocol.Start):
+    """`own_process`: the core is a process of its own, which may bind to CPUs of its own (in a
+    thread of its replica it shares the replica's)."""
+
+    def __init__(self, start: protocol.Start, own_process: bool = True):
         config = EngineConfig.model_validate(start.config)
         self.config = config
         self.engine = make_engine(config, start.engine_class)
-        self.cpus = _bind(config, self.engine)
+        self.cpus = _bind(config, self.engine) if own_process else []
         self.server = CoreServer(start.host)
         self.max_requests = start.max_requests
         self.probe_interval_s = start.probe_interval_s
@@ -302,8 +305,6 @@ def _bind(config: EngineConfig, engine) -> list[int]:
     runner = getattr(engine, "runner", None)
     if config.cpu_bind == "auto" and (runner is None or runner.device.type != "cpu"):
         return []
-    if config.cpu_bind == "auto" and config.tensor_parallel_size > 1:
-        return []  # the ranks share the replica's CPUs
     import torch
     try:
         cpus = cpu_binding.claim(config.cpu_bind, torch.get_num_threads())
@@ -328,7 +329,7 @@ def serve(link: socket.socket, in_process: bool = False) -> int:
         for message in reader.feed(data):
             start = message if isinstance(message, protocol.Start) else start
     try:
-        core = EngineCore(start)
+        core = EngineCore(start, own_process=not in_process)
     except BaseException as exc:  # noqa: BLE001 - the replica reports why it could not start
         link.sendall(protocol.frame(protocol.StartFailed(f"{type(exc).__name__}: {exc}",
                                                          traceback.format_exc())))

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
-from replicas import protocol
+from replicas import cpu_binding, protocol
 from replicas.outputs import RequestOutput
 from replicas.output_queue import OutputQueue
 from serve_app import errors
@@ -37,7 +37,7 @@ WATCH_RETRY_S = 1.0  # after the directory failed to answer
 RECONNECT_S = 1.0  # after a link to a listed core failed
 ADMISSION_POLL_S = 0.05  # the head of the queue retries this often (room freed elsewhere)
 QUEUED_REPORT_S = 0.5  # how often the cores hear of the requests waiting here for them
-# With no core to send to (none started yet, or all gone), a request waits this long for one.
+# Before any core has connected (the ingress just started), a request waits this long for one.
 NO_CORE_WAIT_S = 30.0
 
 
@@ -68,6 +68,7 @@ class EngineClient:
         self._tasks: set[asyncio.Task] = set()
         self._version = -1
         self._connected = asyncio.Event()
+        self._ever_connected = False
 
     def configure_router(self, routing: RoutingSettings) -> None:
         """New settings, a new router (the cores' next digests fill it again)."""
@@ -113,6 +114,8 @@ class EngineClient:
         self._spawn(link.run(self))
 
     def link_usable(self, link: CoreLink) -> None:
+        # This process carries the cores' traffic: off the CPUs they claimed (one just came).
+        cpu_binding.keep_off_engine_cpus()
         self._update_live()
         self._wake_waiting()
 
@@ -143,6 +146,7 @@ class EngineClient:
                 del self.last_generation[replica_id]
         if live:
             self._connected.set()
+            self._ever_connected = True
         else:
             self._connected.clear()
 
@@ -219,6 +223,10 @@ class EngineClient:
         stream.wake = asyncio.get_running_loop().create_future()
         try:
             if not self.live_ids:
+                connecting = any(not link.connected for link in self.links.values())
+                if self._ever_connected and not connecting:  # all gone: Ray Serve replaces them
+                    raise errors.unavailable("no engine replica is available",
+                                             self.retry_after_s)
                 try:
                     await asyncio.wait_for(self._connected.wait(), self.no_core_wait_s)
                 except asyncio.TimeoutError:
@@ -370,8 +378,8 @@ class RequestStream:
         try:
             while True:
                 sent = time.monotonic()
-                if text is not None:
-                    text.fill(output)
+                if text is not None and text.fill(output):  # ended on a stop string here
+                    self.link.abort(self.request_id)
                 yield output
                 pacer.sent()
                 if output.finished:

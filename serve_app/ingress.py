@@ -63,8 +63,6 @@ class Ingress:
                                                    REPLICA_DEPLOYMENT),
                                     self.replica_health.mark_dead)
         self.engines.start()
-        # This process carries the cores' tokens: not on the CPUs they run on.
-        cpu_binding.keep_off_engine_cpus()
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
         self._info: ModelInfo | None = None
@@ -301,8 +299,10 @@ class Ingress:
             params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ParamError as exc:
             raise errors.bad_request(str(exc), exc.param) from None
-        # A stream wants each step's new tokens; a whole response only the finished request.
-        params.output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        # A stream wants each step's new tokens; a whole response only the finished request,
+        # unless the ingress must see its text as it grows, to stop it on a stop string.
+        wants_deltas = request.stream or bool(params.stop)
+        params.output_kind = RequestOutputKind.DELTA if wants_deltas else RequestOutputKind.FINAL_ONLY
         take_text(params)
         return protocol.AddRequest(request_id, prompt.token_ids, params, request.priority,
                                    block_hashes(prompt.token_ids, info.block_size))
@@ -323,9 +323,8 @@ class Ingress:
     async def _start(self, requests: list[protocol.AddRequest], tokenizer,
                      deadline: float | None = None) -> list[RequestStream]:
         """Send every prompt to an engine core and wait for each first delta (errors surface
-        here); `tokenizer` decodes the text of those whose text the ingress makes."""
-        started = [self.engines.stream(r, None if r.params.detokenize else
-                                       StreamText(tokenizer, r.prompt_token_ids, r.params),
+        here); `tokenizer` makes their text."""
+        started = [self.engines.stream(r, StreamText(tokenizer, r.prompt_token_ids, r.params),
                                        self.pacer)
                    for r in requests]
         try:

@@ -1,15 +1,14 @@
-"""The router under test, driven as the Ray Serve shim drives it, and the oracle.
+"""The router under test, driven as the ingress drives it, and the oracle.
 
-`PagedServeRouter` makes exactly the calls `serve_app.routing.router.PrefixAffinityRouter` makes
-on `RouterState`: on each broadcast of the replica set (`update_replicas`) it observes the digests
-that changed; when the fleet's routable set changes it retains it (Ray's candidate list is every
-replica the handle knows; the fleet offers a retry only those with room, which must not make the
-router forget the others); per request it asks `choose`; then `routed` when a replica accepted it,
-`first_output` at its first token (when the ingress sees the first output) and `completed` when it
-finished. Digests are the real `RoutingReporter`'s, delivered late by the fleet's stats delay.
+`PagedServeRouter` makes exactly the calls `serve_app.engine_client.EngineClient` makes on
+`RouterState`: it observes each digest that arrives (`update_replicas`); when the fleet's routable
+set changes it retains it (the fleet offers a retry only the replicas with room, which must not
+make the router forget the others); per request it asks `choose` for a ranking (counted against no
+replica yet), then `dispatched` for the replica that took it (the ingress sends down the ranking,
+a full core refusing, until one takes it), `first_output` at its first token and `completed` when
+it finished. Digests are the real `RoutingReporter`'s, delivered late by the fleet's stats delay.
 Each step's outputs reach the ingress with the replica's step report (`observe_step`), as they do
-on an engine core's output channel, before the ingress handles them one by one (every replica
-is taken to have a channel open to every ingress).
+on an engine core's connection, before the ingress handles them one by one.
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ class PagedServeRouter:
         self.digests: dict[str, dict] = {}  # what RunningReplica.routing_stats holds now
         self.routable = routable  # the fleet's live replicas, now; None: the candidates
         self._retained: Sequence[str] | None = None
+        self._decision = None  # the last request's, for `routed`
 
     def update_replicas(self, digests: Mapping[str, dict]) -> None:
         for replica_id, digest in digests.items():
@@ -42,10 +42,12 @@ class PagedServeRouter:
         if routable is not self._retained:  # a new tuple: the set changed
             self._retained = routable
             self.state.retain(routable)
-        return self.state.choose(request.request_id, list(request.block_hashes), live).ranking()
+        self._decision = self.state.choose(None, list(request.block_hashes), live)
+        return self._decision.ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
-        self.state.routed(request.request_id, replica_id)
+        self.state.dispatched(request.request_id, replica_id, list(request.block_hashes),
+                              self._decision)
 
     def step_outputs(self, replica: SimReplica, sequences: Sequence) -> None:
         # Of the requests with an output, those with their first: the others' prompts were

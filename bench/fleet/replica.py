@@ -147,7 +147,7 @@ class SimReplica:
         return self.reporter.report()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return autoscaling_stats(self)
+        return autoscaling_stats(self.stats())
 
     def step_report(self) -> StepReport:
         """What a step's outputs carry to the ingresses' routers, as the engine core's do."""

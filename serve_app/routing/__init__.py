@@ -1,3 +1,2 @@
-"""Prefix-cache-affinity routing: `router.PrefixAffinityRouter` (the Ray Serve RequestRouter) over
-pure parts: `cache_mirror`, `prefix_index`, `load`, `policy`, `router_state`. Importing this
-package pulls no Ray."""
+"""Prefix-cache-affinity routing, the ingress's (`serve_app.engine_client` drives it): pure parts,
+`cache_mirror`, `prefix_index`, `load`, `policy`, `router_state`; `metrics` exports its decisions."""

@@ -16,10 +16,10 @@ counts as many requests as all routers send for each of its own, its share of th
 reported arrivals (`send_weight`). That guess is right on average but noisy (a few sends a
 second, each counting several times: a replica's load jumped by the weight at every send and every
 end, and the least of many such loads read far too low), so reports also come far more often
-than digests where they can: every engine step whose outputs reach this ingress on a core channel
-carries the replica's queue depth and arrivals (`serve_app.engine_client`), and its finished
-requests end here first, as of that report. Whichever report is newest counts; an older one
-that arrives late (a digest through Ray) is ignored.
+than digests: every engine step whose outputs reach this ingress on a core's connection carries
+the replica's queue depth and arrivals (`serve_app.engine_client`), and its finished requests end
+here first, as of that report. Whichever report is newest counts; an older one that arrives late
+is ignored.
 
 Every load is kept current as it changes (`loads`), so a decision reads each replica's load in
 O(1) instead of counting its in-flight requests: at 1,000 replicas of 256 requests each, counting
@@ -132,9 +132,8 @@ class LoadTracker:
         previous = self._replica_of.get(request_id)
         if previous == replica_id:
             return None
-        if previous is not None:
-            self._forget(request_id, previous, finished=False)
-            self._num_sent[previous] -= 1  # it never reached that replica
+        if previous is not None:  # it never reached that replica
+            self.unsent(request_id)
         if prefill_blocks > 0:
             self._queued_blocks[request_id] = prefill_blocks
             queued = self.queued_prefill
@@ -156,6 +155,14 @@ class LoadTracker:
             queued, replica_id = self.queued_prefill, self._replica_of[request_id]
             # A report's count may have left it out already (it had prefilled by then).
             queued[replica_id] = max(0, queued[replica_id] - blocks)
+
+    def unsent(self, request_id: str) -> None:
+        """request_id never reached the replica it was counted on (it refused it): as if never
+        sent there."""
+        replica_id = self._replica_of.get(request_id)
+        if replica_id is not None:
+            self._forget(request_id, replica_id, finished=False)
+            self._num_sent[replica_id] -= 1
 
     def completed(self, request_id: str, now: float | None = None) -> None:
         """request_id finished at `now` (None: when is unknown, so no later-arriving report

@@ -47,7 +47,7 @@ REASONS = (AFFINITY, LOAD_OVERRIDE, COLD_HOME, FALLBACK)
 
 
 class RoutingSettings(BaseModel):
-    """The router's named thresholds (`request_router_kwargs` of the replica deployment)."""
+    """The router's named thresholds (the `request_router_kwargs` setting; the ingress's router)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -74,6 +74,9 @@ class RoutingSettings(BaseModel):
     cold_home_blocks: int = Field(1, ge=1)
     # How long an optimistic insert outlives the digests taken after it (see PrefixIndex).
     optimistic_ttl_s: float = Field(10.0, gt=0)
+    # False: prefixes are ignored, every request goes to the less loaded of two replicas drawn
+    # at random (as Ray Serve's default router does): the baseline routing is measured against.
+    prefix_affinity: bool = True
 
 
 @dataclass(slots=True)
@@ -134,6 +137,9 @@ def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: Pref
         replica_id = ids[pick]
         rest = lambda: _rank_rest(replicas, load_list, common, deeper, key, pick)  # noqa: E731
         return Decision(replica_id, reason, deeper.get(replica_id, common), rest)
+
+    if not settings.prefix_affinity:
+        return decide(power_of_two_choices(load_list, rng or random, ids, queued_prefill), FALLBACK)
 
     if best - common >= settings.min_affinity_blocks:
         # The holders: a few to tens for a hot prefix. Their loads in one gather, as floats; then

@@ -1,6 +1,6 @@
-"""Everything the prefix-affinity router knows, without Ray: the prefix index, the loads, and the
-requests it has chosen for but not yet seen routed. The Ray `RequestRouter` subclass only feeds
-it replica digests and lifecycle callbacks, so the whole behaviour is testable with fake replicas.
+"""Everything the prefix-affinity router knows, without Ray: the prefix index and the loads. The
+ingress's `EngineClient` feeds it the cores' digests and step reports and asks it for rankings,
+so the whole behaviour is testable with fake replicas.
 """
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import random
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from replicas.cache_digest import DIGEST_VERSION, QueueDepth
@@ -17,17 +16,6 @@ from serve_app.routing.policy import (AFFINITY, FALLBACK, LOAD_OVERRIDE, Decisio
                                       rank_replicas)
 from serve_app.routing.prefix_index import PrefixIndex
 from serve_app.routing.rendezvous import ReplicaSet
-
-MAX_UNROUTED = 4096  # chosen-for but never routed (cancelled) requests kept at most
-UNROUTED_TTL_S = 60.0
-
-
-@dataclass(slots=True)
-class _Choice:
-    replica_id: str
-    block_hashes: Sequence[int]  # kept_hashes()
-    decision: Decision
-    at: float
 
 
 class RouterState:
@@ -40,7 +28,6 @@ class RouterState:
         self._rng = rng or random.Random()
         self._clock = clock
         self._digest_time: dict[str, float] = {}
-        self._unrouted: dict[str, _Choice] = {}
         self._replicas = ReplicaSet(())  # the last live set a decision ranked
 
     # -- what replicas tell us ------------------------------------------------------------------
@@ -73,7 +60,6 @@ class RouterState:
         report_time, num_requests, num_arrived, queued_prefill_blocks = report
         for request_id in finished:
             loads.completed(request_id, report_time)
-            self._unrouted.pop(request_id, None)
         loads.report(replica_id, num_requests, report_time, num_arrived, queued_prefill_blocks)
 
     def retain(self, live_replica_ids: Iterable[str]) -> None:
@@ -89,34 +75,20 @@ class RouterState:
     # -- what the router does -------------------------------------------------------------------
     def choose(self, request_id: str | None, block_hashes: Sequence[int],
                live_replica_ids: Iterable[str]) -> Decision:
-        """Rank the live replicas for a request, and count it against the first choice now, so a
-        burst routed before the next digest sees its own effect."""
+        """Rank the live replicas for a request; with a request id, count it against the first
+        choice now (`dispatched`), so a burst routed before the next digest sees its own effect."""
         live = self._replica_set(live_replica_ids)
         match = self.index.prefix_match(block_hashes, live.ids_set)
         decision = rank_replicas(block_hashes, live, match, self.settings, self._rng,
                                  self.loads.queued_prefill)
         if request_id is not None:
-            self._assign(request_id, decision.replica_id, kept_hashes(block_hashes), decision)
+            self.dispatched(request_id, decision.replica_id, block_hashes, decision)
         return decision
-
-    def routed(self, request_id: str, replica_id: str) -> str:
-        """The request was accepted by replica_id; returns the reason to count it under."""
-        choice = self._unrouted.pop(request_id, None)
-        if choice is None:
-            return FALLBACK
-        if replica_id == choice.replica_id:
-            return choice.decision.reason
-        # The first choice was full and Ray took a lower rank: move our bookkeeping along.
-        self.index.remove(choice.replica_id, choice.block_hashes, choice.at)
-        self.index.insert(replica_id, choice.block_hashes, self._clock())
-        self.loads.sent(request_id, replica_id, self._clock(), len(choice.block_hashes))
-        return LOAD_OVERRIDE if choice.decision.reason == AFFINITY else FALLBACK
 
     def dispatched(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
                    decision: Decision) -> tuple[str, float]:
-        """A request sent to replica_id (a rank of `decision`, made with no request id) by the
-        ingress itself, not through Ray: counted there from now. (The reason to count it under,
-        when it was counted: for `refused`.)"""
+        """A request sent to replica_id (a rank of `decision`): counted there from now. (The
+        reason to count it under, when it was counted: for `refused`.)"""
         now = self._clock()
         first = replica_id == decision.replica_id
         matched = decision.num_matched_blocks if first else 0
@@ -130,7 +102,7 @@ class RouterState:
                 dispatched_at: float) -> None:
         """replica_id did not take a dispatched request: take back what `dispatched` counted."""
         self.index.remove(replica_id, block_hashes, dispatched_at)
-        self.loads.completed(request_id, self._clock())
+        self.loads.unsent(request_id)
 
     def first_output(self, request_id: str) -> None:
         """The request's first output reached the ingress: its prompt is prefilled."""
@@ -138,7 +110,6 @@ class RouterState:
 
     def completed(self, request_id: str) -> None:
         self.loads.completed(request_id, self._clock())
-        self._unrouted.pop(request_id, None)
 
     def load(self, replica_id: str) -> float:
         return self.loads.load(replica_id)
@@ -158,21 +129,6 @@ class RouterState:
 
     def _load_changed(self, replica_id: str, load: float) -> None:
         self._replicas.set_load(replica_id, load)
-
-    def _assign(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
-                decision: Decision) -> None:
-        now = self._clock()
-        previous = self._unrouted.get(request_id)
-        if previous is not None and previous.replica_id != replica_id:
-            self.index.remove(previous.replica_id, previous.block_hashes, previous.at)
-        self.index.insert(replica_id, block_hashes, now, decision.num_matched_blocks)
-        self.loads.sent(request_id, replica_id, now,
-                        len(block_hashes) - decision.num_matched_blocks)
-        self._unrouted[request_id] = _Choice(replica_id, block_hashes, decision, now)
-        if len(self._unrouted) > MAX_UNROUTED:
-            horizon = now - UNROUTED_TTL_S
-            for stale in [r for r, c in self._unrouted.items() if c.at < horizon]:
-                del self._unrouted[stale]
 
 
 def kept_hashes(block_hashes: Sequence[int]) -> Sequence[int]:

@@ -121,25 +121,33 @@ def test_encoder_rejects_bad_inputs(tiny_bert):
         assert info.value.param == "input"
 
 
-def test_async_encoder_shares_passes_between_concurrent_requests(tiny_bert):
-    from replicas.async_encoder import AsyncEncoderEngine
+def test_an_encoder_core_shares_passes_between_concurrent_requests(tiny_bert):
+    from replicas.encoder_engine import EncoderEngine
+    from replicas.pooling import pooling_params
+    from tests.core_harness import running_core
 
     path, _ = tiny_bert
-    engine = AsyncEncoderEngine(EngineConfig(model=str(path), max_num_seqs=8))
-    requests = [engine.engine.tokenize(["abc", "hello"]), engine.engine.tokenize(["xyz"]),
-                engine.engine.tokenize(["one two three"] * 7)]  # the last spans two passes
+    config = EngineConfig(model=str(path), max_num_seqs=8)
+    encoder = EncoderEngine(config, str(path))
+    requests = [encoder.tokenize(["abc", "hello"]), encoder.tokenize(["xyz"]),
+                encoder.tokenize(["one two three"] * 7)]  # the last spans two passes
+    params = pooling_params("mean")
 
     async def run():
-        alone = [await engine.embed(r) for r in requests]
-        steps = engine.engine.num_steps
-        together = await asyncio.gather(*(engine.embed(r) for r in requests))
-        return alone, together, engine.engine.num_steps - steps
+        async with running_core(config) as (core, client):
+            alone = [await client.embed(f"a{i}", r, params) for i, r in enumerate(requests)]
+            await asyncio.sleep(0.3)  # the core's stats after the last pass
+            steps = core.stats["num_steps"]
+            together = await asyncio.gather(*(client.embed(f"t{i}", r, params)
+                                              for i, r in enumerate(requests)))
+            await asyncio.sleep(0.3)
+            return alone, together, core.stats["num_steps"] - steps
 
     alone, together, num_passes = asyncio.run(run())
-    for a, b in zip(alone, together):
+    for a, b, ids in zip(alone, together, requests):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    assert num_passes == 2  # 10 sequences, 8 per pass
-    engine.shutdown()
+        np.testing.assert_allclose(a, encoder.embed(ids), atol=1e-5)
+    assert num_passes <= 3  # 10 sequences, 8 per pass: shared, not one pass per request
 
 
 def test_llm_on_an_encoder_embeds_and_does_not_generate(tiny_bert):
@@ -228,31 +236,32 @@ def test_decoder_pooling_equals_transformers(tiny_model_dir, mode):
 
 
 def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
-    from replicas.async_engine import AsyncEngine
+    from replicas.pooling import pooling_params
     from replicas.sampling_params import SamplingParams
+    from tests.core_harness import generate, running_core
 
     path = str(tiny_model_dir("llama"))
-    engine = AsyncEngine(EngineConfig(model=path, pooling="mean", num_kv_blocks=64, dtype="float32"))
-    ids = [engine.tokenizer.encode(p) for p in DECODER_PROMPTS]
-    expected = _transformers_pooled(path, ids, "mean")
+    config = EngineConfig(model=path, pooling="mean", num_kv_blocks=64, dtype="float32")
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     async def run():
-        async def generate():
-            async for out in engine.generate(ids[1], greedy, "gen"):
-                last = out
-            return last.outputs[0].token_ids
-        alone = await generate()
-        steps = engine.engine.num_steps
-        together, vectors = await asyncio.gather(generate(), engine.embed(ids))
-        return alone, together, vectors, engine.engine.num_steps - steps
+        async with running_core(config) as (core, client):
+            ids = [core.tokenizer().encode(p) for p in DECODER_PROMPTS]
+            alone = (await generate(client, "alone", ids[1], greedy)).outputs[0].token_ids
+            await asyncio.sleep(0.3)  # the core's stats after the last step
+            steps = core.stats["num_steps"]
+            together, vectors = await asyncio.gather(
+                generate(client, "together", ids[1], greedy),
+                client.embed("e", ids, pooling_params("mean")))
+            await asyncio.sleep(0.3)
+            return (ids, alone, together.outputs[0].token_ids, vectors,
+                    core.stats["num_steps"] - steps, core.info["tasks"])
 
-    alone, together, vectors, num_steps = asyncio.run(run())
+    ids, alone, together, vectors, num_steps, tasks = asyncio.run(run())
     assert together == alone  # greedy output does not depend on what it was batched with
-    np.testing.assert_allclose(vectors, expected, atol=1e-4)
+    np.testing.assert_allclose(vectors, _transformers_pooled(path, ids, "mean"), atol=1e-4)
     assert num_steps == 12  # the pooling prefills rode along in the generation's steps
-    assert engine.tasks == ("generate", "embed")
-    engine.shutdown()
+    assert tasks == ["generate", "embed"]
 
 
 def test_a_decoder_without_pooling_does_not_embed(tiny_model_dir):

@@ -150,7 +150,7 @@ def test_an_idle_core_keeps_sending_stats_until_its_load_has_faded(tiny_model_di
     model_dir = str(tiny_model_dir("llama"))
 
     async def main():
-        async with running_core(config(model_dir)) as (core, client):
+        async with running_core(config(model_dir), in_process=False) as (core, client):
             # Eight at once, ending together: every step computes several tokens, so the load
             # reads above the fixed cost of a step.
             await asyncio.gather(*(generate(client, f"r{i}", [5] * 40, SamplingParams(

@@ -4,8 +4,8 @@ import asyncio
 import pytest
 
 from replicas import LLM, SamplingParams
-from serve_app.errors import OpenAIError
 from replicas.config import EngineConfig
+from serve_app.errors import OpenAIError
 from tests.tiny_models import build_tiny_model
 
 

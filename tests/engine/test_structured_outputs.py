@@ -3,15 +3,17 @@ output parses and validates, alone, batched with free requests (whose tokens do 
 across preemptions; bad constraints fail as ParamErrors and leave nothing allocated."""
 import asyncio
 import json
+import os
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
 
 from replicas import LLM, SamplingParams
-from replicas.async_engine import AsyncEngine
 from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
 from replicas.sampling_params import ParamError, StructuredOutputsParams as Constraint
 from serve_app import tool_calls
 
@@ -188,35 +190,54 @@ def test_compiled_grammars_are_cached(llm):
     assert compiler.num_compiled - before == 2  # the dict and its text are different specs
 
 
-def test_compiling_grammar_does_not_hold_up_the_engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=256))
-    compiler = engine.engine.grammars
-    gate = threading.Event()
-    real_compile = compiler._compile
-    compiler._compile = lambda params: (gate.wait(30), real_compile(params))[1]
+class GatedGrammars(LLMEngine):
+    """Grammars compile only once the file GATE names exists: a compile that takes as long as
+    the test wants."""
+
+    GATE = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        real_compile = self.grammars._compile
+
+        def gated(params):
+            while not os.path.exists(GatedGrammars.GATE):
+                time.sleep(0.01)
+            return real_compile(params)
+        self.grammars._compile = gated
+
+
+def test_compiling_grammar_does_not_hold_up_the_engine(tiny_model_dir, tmp_path):
+    from serve_app.errors import OpenAIError
+    from tests.core_harness import generate, running_core
+
+    GatedGrammars.GATE = str(tmp_path / "gate")
+    config = EngineConfig(model=str(tiny_model_dir("llama")), max_model_len=256)
 
     async def run():
-        async def collect(prompt, params, rid):
-            return [o async for o in engine.generate(prompt, params, rid)][-1]
-        slow = asyncio.ensure_future(collect("hello", constrained("regex", "[0-9]{4}", max_tokens=16),
-                                           "slow"))
-        fast = await collect("world", SamplingParams(temperature=0, max_tokens=8), "fast")
-        assert len(fast.outputs[0].token_ids) == 8 or fast.outputs[0].finish_reason == "stop"
-        gone = asyncio.ensure_future(collect("x", constrained("regex", "[a-z]{9}", max_tokens=16),
-                                             "gone"))
-        await asyncio.sleep(0.1)
-        assert not slow.done() and engine.stats()["num_waiting"] == 2
-        gone.cancel()  # a client that leaves while its grammar compiles
-        await asyncio.sleep(0.1)
-        assert "gone" not in engine.engine.requests and len(engine.engine.pending_grammars) == 1
-        gate.set()
-        done = await slow
-        assert re.fullmatch("[0-9]{4}", done.outputs[0].text)
-        # A failing grammar reaches the caller as its ParamError, and nothing stays behind.
-        with pytest.raises(ParamError):
-            await collect("x", constrained("regex", "((", max_tokens=16), "bad")
-        assert not engine.engine.requests
-        engine.shutdown()
+        async with running_core(config, engine_class=f"{__name__}:GatedGrammars") as (core, client):
+            prompt = core.tokenizer().encode("hello")
+            slow = asyncio.ensure_future(generate(client, "slow", prompt, constrained(
+                "regex", "[0-9]{4}", max_tokens=16)))
+            fast = await generate(client, "fast", prompt, SamplingParams(temperature=0,
+                                                                         max_tokens=8))
+            assert len(fast.outputs[0].token_ids) == 8 or fast.outputs[0].finish_reason == "stop"
+            gone = asyncio.ensure_future(generate(client, "gone", prompt, constrained(
+                "regex", "[a-z]{9}", max_tokens=16)))
+            await asyncio.sleep(0.3)
+            assert not slow.done() and core.stats["num_waiting"] == 2
+            gone.cancel()  # a client that leaves while its grammar compiles
+            await asyncio.sleep(0.3)
+            assert core.stats["num_waiting"] == 1
+            open(GatedGrammars.GATE, "w").close()
+            done = await slow
+            assert re.fullmatch("[0-9]{4}", core.tokenizer().decode(done.outputs[0].token_ids))
+            # A failing grammar reaches the caller as a 400 naming its field, and nothing stays.
+            with pytest.raises(OpenAIError) as bad:
+                await generate(client, "bad", prompt, constrained("regex", "((", max_tokens=16))
+            assert bad.value.status_code == 400 and bad.value.param is not None
+            await asyncio.sleep(0.3)
+            assert core.stats["num_requests"] == 0
 
     asyncio.run(run())
 

@@ -116,3 +116,34 @@ def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 20.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"only {len(seen)} of {num_replicas} replicas answered")
     return seen
+
+
+def core_digests(app_name: str, timeout_s: float = 20.0) -> dict[str, dict]:
+    """Each engine core's routing digest, full snapshot included, as an ingress receives it on
+    joining: connect to every core the app's directory lists."""
+    import asyncio
+
+    from ray import serve
+
+    from replicas import protocol
+
+    _, entries = serve.get_deployment_handle("CoreDirectory", app_name).watch.remote(-1).result()
+
+    async def digest(host: str, port: int, token: str) -> dict:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(protocol.frame(protocol.Hello(protocol.PROTOCOL_VERSION, token, "test")))
+        frames = protocol.client_reader()
+        try:
+            while True:
+                for message in frames.feed(await reader.read(1 << 20)):
+                    if message.digest is not None:
+                        return message.digest
+        finally:
+            writer.close()
+
+    async def all_digests() -> dict[str, dict]:
+        found = await asyncio.gather(*(asyncio.wait_for(digest(*address), timeout_s)
+                                       for address in entries.values()))
+        return dict(zip(entries, found))
+
+    return asyncio.run(all_digests())

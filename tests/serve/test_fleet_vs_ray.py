@@ -31,8 +31,7 @@ def fleetcmp_app(cluster, tiny_model_dir):
 
     deploy(dict(model=tiny_model_dir, served_model_name="tiny", num_replicas=2, replica_num_cpus=0.5,
                 max_model_len=512, num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=8,
-                block_size=BLOCK_SIZE,
-                request_router_class="serve_app.routing.router:PrefixAffinityRouter"), APP, PREFIX)
+                block_size=BLOCK_SIZE), APP, PREFIX)
     yield f"{cluster.base_url}{PREFIX}"
     serve.delete(APP)
 

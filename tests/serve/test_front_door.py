@@ -1,7 +1,7 @@
 """The ingress's own HTTP server (direct_http) over real Ray Serve: its request limit, and a drain
 that lets open streams finish while new connections go elsewhere.
 
-(Streams, coalescing, disconnects and a killed replica over this path: test_output_channels.py;
+(Streams, coalescing, disconnects and a killed replica over this path: test_token_path.py;
 the main app of every other serving test is served this way too.)
 """
 from __future__ import annotations

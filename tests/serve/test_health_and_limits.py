@@ -137,7 +137,9 @@ def test_a_stalled_engine_is_not_ready_and_is_replaced(limited, fault_file):
             wait_for(lambda: http.get("/health/ready").status_code == 200, 90, 0.5,
                      "/health/ready 200 once Ray Serve replaced the stalled replica")
             response = stuck.result(timeout=90)
-        assert response.status_code in (500, 503), response.text  # OpenAI-shaped, not a cut
-        assert "error" in response.json()
+        # It had no output when its core went: sent again to the replacement where that was up
+        # by then, else an OpenAI-shaped error, never a cut.
+        assert response.status_code in (200, 500, 503), response.text
+        assert ("choices" if response.status_code == 200 else "error") in response.json()
         ((after, _),) = replica_stats(APP, 1).items()
         assert after != before

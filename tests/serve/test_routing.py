@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
 
 from bench.routing import ideal_cached_tokens
 from replicas.block_hash import block_hashes
-from tests.serve.conftest import deploy
+from tests.serve.conftest import core_digests, deploy
 
 APP = "routing"
 PREFIX = "/routing"
@@ -28,7 +27,6 @@ def routing_app(cluster, tiny_model_dir):
 
     deploy(dict(model=tiny_model_dir, served_model_name="tiny", num_replicas=2, replica_num_cpus=0.5,
                 max_model_len=512, num_kv_blocks=256, max_num_seqs=16, block_size=BLOCK_SIZE,
-                request_router_class="serve_app.routing.router:PrefixAffinityRouter",
                 request_router_kwargs=ROUTER_KWARGS), APP, PREFIX)
     yield f"{cluster.base_url}{PREFIX}"
     serve.delete(APP)
@@ -63,17 +61,11 @@ async def run(base_url: str, prompts: list[list[int]], concurrency: int, max_tok
 
 
 def digests() -> dict[str, set[int]]:
-    """Each replica's cached block hashes, straight from its record_routing_stats()."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("EngineReplica", APP)
-    seen: dict[str, set[int]] = {}
-    deadline = time.monotonic() + 20
-    while len(seen) < 2:
-        assert time.monotonic() < deadline, f"only {len(seen)} replicas answered"
-        digest = handle.record_routing_stats.remote(snapshot=True).result()
-        seen[digest["replica_id"]] = set(digest["kv_events"]["snapshot"]["block_hashes"])
-    return seen
+    """Each replica's cached block hashes, from its core's digest."""
+    found = core_digests(APP)
+    assert len(found) == 2, found
+    return {replica: set(digest["kv_events"]["snapshot"]["block_hashes"])
+            for replica, digest in found.items()}
 
 
 def holders(prefix: list[int]) -> list[str]:

@@ -99,23 +99,14 @@ def test_a_fleet_with_full_replicas_and_empty_queues_does_not_scale_down():
 def test_replicas_report_their_load_whichever_binds_first():
     from replicas.cache_digest import autoscaling_stats
 
-    class Engine:
-        scheduler = type("S", (), {"max_num_seqs": 8})()
-
-    class AsyncEngine:
-        engine = Engine()
-
-        def stats(self):
-            return {"num_waiting": 0, "num_running": 6, "kv_cache_usage": 0.2}
-
-    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.75}
-    AsyncEngine.stats = lambda self: {"num_waiting": 0, "num_running": 2, "kv_cache_usage": 0.9,
-                                      "compute_utilization": 0.5, "kv_working_set": 1.5}
-    assert autoscaling_stats(AsyncEngine()) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.9,
-                                                KV_WORKING_SET_METRIC: 1.5}
-    AsyncEngine.stats = lambda self: {"num_waiting": 0, "num_running": 2, "kv_cache_usage": 0.1,
-                                      "compute_utilization": 0.95}
-    assert autoscaling_stats(AsyncEngine())[LOAD_METRIC] == 0.95
+    stats = {"num_waiting": 0, "num_running": 6, "kv_cache_usage": 0.2, "max_num_seqs": 8}
+    assert autoscaling_stats(stats) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.75}
+    stats.update(num_running=2, kv_cache_usage=0.9, compute_utilization=0.5, kv_working_set=1.5)
+    assert autoscaling_stats(stats) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.9,
+                                        KV_WORKING_SET_METRIC: 1.5}
+    stats.update(kv_cache_usage=0.1, compute_utilization=0.95)
+    del stats["kv_working_set"]
+    assert autoscaling_stats(stats)[LOAD_METRIC] == 0.95
 
 
 def test_a_burst_scales_up_in_bounded_steps():

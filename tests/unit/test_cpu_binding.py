@@ -129,64 +129,41 @@ def test_a_torn_claims_file_starts_over(claims_path):
 
 
 def test_serving_processes_follow_cores_that_come_and_go_after_them(claims_path):
-    """The engine replica's process at each health check, and an ingress that carries a core's
-    tokens at its own, keep off the CPUs of cores that claimed them later (a scale change), and
-    go back once those are free; an ingress that carries none stays where it is."""
+    """The engine replica's and the ingress's processes (both carry a core's traffic) keep off the
+    CPUs of cores that claimed them later (a scale change) at each health check, and go back
+    once those are free."""
     cpus = allowed()
     if len(cpus) < 2:
         pytest.skip("needs two CPUs")
     script = textwrap.dedent(f"""
-        import asyncio, os
+        import os
         from pathlib import Path
-        from replicas import core_wire, cpu_binding
+        from replicas import cpu_binding
         from replicas.deployment import EngineReplica
-        from serve_app.replica_stream import OutputChannels
+        from serve_app.ingress import Ingress
         cpu_binding.CLAIMS_PATH = Path({str(claims_path)!r})
         affinity = lambda: sorted(os.sched_getaffinity(0))
 
-        class IdleEngine:
-            def is_healthy(self):
-                return True
-            def stats(self):
-                return {{}}
+        class IdleCore:
+            stats = {{}}
+            def check_health(self):
+                pass
 
-        replica = object.__new__(EngineReplica)  # its state as __init__ leaves it, engine aside
-        replica.engine, replica.stall_timeout_s = IdleEngine(), 60.0
+        replica = object.__new__(EngineReplica)  # its state as __init__ leaves it, core aside
+        replica.core, replica.stall_timeout_s = IdleCore(), 60.0
         replica._last_steps, replica._last_progress = -1, 0.0
+        ingress = object.__new__(Ingress)
         seen = {{}}
-        cpu_binding.claim("auto", 1)  # a core that came after this process started
-        replica.check_health()
-        seen["replica"] = affinity()
-        cpu_binding.release()
-        replica.check_health()
-        seen["replica_back"] = affinity()
-
-        async def ingress():
-            greeted = asyncio.Event()
-            async def core(reader, writer):  # an engine core's channel server, closing at once
-                await reader.readexactly(core_wire.CHANNEL_HELLO_SIZE)
-                greeted.set()
-                writer.close()
-            server = await asyncio.start_server(core, "127.0.0.1", 0)
-            port = server.sockets[0].getsockname()[1]
-            quiet, carrier = OutputChannels(lambda request: None), OutputChannels(lambda request: None)
-            carrier.met("replica-1", ("127.0.0.1", port, "t" * core_wire.CHANNEL_TOKEN_BYTES))
-            await asyncio.wait_for(greeted.wait(), 10)
-            cpu_binding.claim("auto", 1)
-            quiet.follow_engine_cpus()
-            seen["quiet"] = affinity()
-            carrier.follow_engine_cpus()
-            seen["carrier"] = affinity()
+        for name, process in (("replica", replica), ("ingress", ingress)):
+            cpu_binding.claim("auto", 1)  # a core that came after this process started
+            process.check_health()
+            seen[name] = affinity()
             cpu_binding.release()
-            carrier.follow_engine_cpus()
-            seen["carrier_back"] = affinity()
-            server.close()
-
-        asyncio.run(ingress())
+            process.check_health()
+            seen[name + "_back"] = affinity()
         print(seen)
         """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout
     assert ast.literal_eval(out.splitlines()[-1]) == {
-        "replica": cpus[:-1], "replica_back": cpus, "quiet": cpus, "carrier": cpus[:-1],
-        "carrier_back": cpus}
+        "replica": cpus[:-1], "replica_back": cpus, "ingress": cpus[:-1], "ingress_back": cpus}

@@ -18,7 +18,7 @@ def admitted(bm, tokens):
     return seq
 
 
-class FakeAsyncEngine:
+class FakeCore:
     def __init__(self, bm, stats):
         self.engine = type("E", (), {"block_manager": bm})()
         self._stats = stats
@@ -32,7 +32,7 @@ def test_first_digest_snapshots_cached_hashes_including_free_ones():
     seq = admitted(bm, range(10))
     bm.free(seq)  # free but still cached: still a hit, so still published
     stats = {"num_waiting": 2, "num_running": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.5}
-    digest = RoutingReporter(FakeAsyncEngine(bm, stats), wall_clock=lambda: 123.0).report()
+    digest = RoutingReporter(FakeCore(bm, stats), wall_clock=lambda: 123.0).report()
     snapshot = KVSnapshot(1, block_hashes(list(range(10)), BS))
     assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
                       "kv_events": wire_stream(1, [], snapshot), "num_waiting": 2,
@@ -42,7 +42,7 @@ def test_first_digest_snapshots_cached_hashes_including_free_ones():
 
 def test_later_digests_carry_events_not_the_cache():
     bm = BlockManager(num_blocks=8, block_size=BS)
-    reporter = RoutingReporter(FakeAsyncEngine(bm, {}))
+    reporter = RoutingReporter(FakeCore(bm, {}))
     admitted(bm, range(8))
     reporter.report()
     seq = admitted(bm, range(20, 28))
@@ -58,13 +58,14 @@ def test_queue_depth_counts_kv_pressure_as_queued():
     assert QueueDepth(3, 8, 1.0).num_requests == 11
 
 
-def test_stats_for_the_deployment_shim():
+def test_stats_for_the_router_and_the_autoscaler():
     bm = BlockManager(num_blocks=8, block_size=BS)
-    engine = FakeAsyncEngine(bm, {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0,
-                                  "num_arrived": 7})
-    report = RoutingReporter(engine).report()
+    stats = {"num_waiting": 1, "num_running": 2, "kv_cache_usage": 0.0, "num_arrived": 7}
+    report = RoutingReporter(FakeCore(bm, stats)).report()
     assert (report["num_running"], report["num_arrived"]) == (2, 7)
-    assert autoscaling_stats(engine) == {"queue_depth": 1.0}
+    assert autoscaling_stats(stats) == {"queue_depth": 1.0}
+    # Requests an ingress holds for this replica, waiting for room, are its queue too.
+    assert autoscaling_stats({**stats, "num_queued_at_ingress": 3}) == {"queue_depth": 4.0}
 
 
 def test_digest_imports_neither_torch_nor_ray():

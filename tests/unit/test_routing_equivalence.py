@@ -203,11 +203,16 @@ def test_decisions_are_those_of_the_old_algorithm_on_random_fleets(seed, setting
             assert new.observe(r, d) == old.observe(r, d)
         live = ids if rng.random() < 0.8 else rng.sample(ids, max(1, len(ids) - 1))
         query = random_query(rng) if rng.random() < 0.9 else []
-        ours = new.choose(f"q{i}", query, live)
+        ours = new.choose(None, query, live)
         ranked, reason, num_matched = old.choose(f"q{i}", query, live)
         assert (ours.ranked, ours.reason, ours.num_matched_blocks) == (ranked, reason, num_matched)
         taken = ranked[0] if rng.random() < 0.85 else ranked[-1]  # the first choice may be full
-        assert new.routed(f"q{i}", taken) == old.routed(f"q{i}", taken)
+        # The ingress sends to the first choice; a full one refuses, and it goes down the ranking.
+        reason, at = new.dispatched(f"q{i}", ranked[0], query, ours)
+        if taken != ranked[0]:
+            new.refused(f"q{i}", ranked[0], query, at)
+            reason, _ = new.dispatched(f"q{i}", taken, query, ours)
+        assert reason == old.routed(f"q{i}", taken)
         new.first_output(f"q{i}")  # no prefill left queued: the old fallback compared loads alone
         in_flight.append(f"q{i}")
         while in_flight and rng.random() < 0.45:

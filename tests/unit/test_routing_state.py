@@ -97,8 +97,8 @@ def test_other_ingresses_sends_show_in_the_replicas_arrivals_and_weigh_ours():
     s.observe("r2", digest(99.0, arrived=0))
     for i in range(40):  # ours: 40 of the 80 each replica received
         for replica_id in live:
-            s.choose(f"{replica_id}-{i}", [], live)
-            s.routed(f"{replica_id}-{i}", replica_id)
+            d = s.choose(None, [], live)
+            s.dispatched(f"{replica_id}-{i}", replica_id, [], d)
             s.completed(f"{replica_id}-{i}")
     clock.now = 100.5
     s.observe("r1", digest(100.0, running=3, arrived=80))
@@ -124,20 +124,20 @@ def test_digest_drives_affinity_and_is_replaced_by_the_next():
     assert (d.replica_id, d.num_matched_blocks) == ("r1", 2)
 
 
-def test_routed_elsewhere_moves_the_bookkeeping():
+def test_a_refused_send_moves_the_bookkeeping_down_the_ranking():
     s, clock = state()
     live = ["r1", "r2"]
     hashes = block_hashes(prompt(0), BS)
     s.observe("r1", digest(99.0, hashes))
-    d = s.choose("q1", hashes, live)
+    d = s.choose(None, hashes, live)
     assert d.ranked == ["r1", "r2"]
+    reason, at = s.dispatched("q1", "r1", hashes, d)
+    assert reason == AFFINITY and (s.load("r1"), s.load("r2")) == (1, 0)
     clock.now += 0.1
-    assert s.routed("q1", "r2") == LOAD_OVERRIDE  # r1 was full; Ray took the next rank
+    s.refused("q1", "r1", hashes, at)  # r1 was full: the ingress sends it to the next rank
+    assert s.dispatched("q1", "r2", hashes, d)[0] == LOAD_OVERRIDE
     assert (s.load("r1"), s.load("r2")) == (0, 1)
     assert s.index.match(hashes, ["r2"]) == {"r2": len(hashes)}
-    assert s.routed("q1", "r2") == FALLBACK  # unknown by now
-    d2 = s.choose("q2", hashes, live)
-    assert s.routed("q2", d2.replica_id) == d2.reason
 
 
 def test_a_rechoice_of_the_same_request_is_not_counted_twice():
@@ -190,7 +190,6 @@ def test_a_requests_hashes_are_kept_where_the_garbage_collector_never_scans_them
     state = RouterState()
     state.observe("r1", {"version": DIGEST_VERSION, "time": 1.0, "kv_events": None})
     state.choose("q1", hashes, ["r1"])
-    assert not any(isinstance(r, int) for r in gc.get_referents(state._unrouted["q1"].block_hashes))
     assert state.index.match(hashes, ["r1"]) == {"r1": 450}
 
 
@@ -229,7 +228,6 @@ def test_a_steps_report_ends_its_finished_requests_then_counts_its_load():
     clock.now = 100.2
     for request_id in ("q1", "q2"):
         s.choose(request_id, [], ["r1"])
-        s.routed(request_id, "r1")
     assert s.load("r1") == 8  # two sends, about eight from every ingress
     s.observe_step("r1", ["q1", "q2"], ["q1"], (100.3, 5, 6, 0))
     assert s.load("r1") == 5
@@ -239,7 +237,6 @@ def test_a_steps_report_ends_its_finished_requests_then_counts_its_load():
     s.observe("r1", digest(100.25, running=9, arrived=5))  # taken before that step: late
     assert s.load("r1") == 5
     s.choose("q3", [], ["r1"])
-    s.routed("q3", "r1")
     assert s.load("r1") == 5 + 4
     s.observe_step("r1", [], [], (100.4, 6, 7, 0))
     assert s.load("r1") == 6
@@ -254,7 +251,6 @@ def test_a_steps_report_brings_the_replicas_prefill_queue_and_its_outputs_end_ou
     s.loads.send_weight = 2.0  # another ingress sends as much as this one
     clock.now = 100.2
     d = s.choose("q1", prompt_hashes, live)
-    s.routed("q1", d.replica_id)
     assert s.loads.queued_prefill[d.replica_id] == 10
     # The replica's next step: q1 had its first output; other ingresses' prompts wait there.
     s.observe_step(d.replica_id, ["q1"], [], (100.3, 3, 3, 25))

@@ -1,0 +1,38 @@
+"""The core directory (serve_app/core_directory.py): watchers hear every change at once, and an
+address its replica stopped publishing (a killed replica) drops out."""
+from __future__ import annotations
+
+import asyncio
+
+from serve_app.core_directory import ENTRY_TTL_S, CoreDirectory
+
+
+def test_watchers_hear_publications_and_withdrawals_at_once():
+    async def main():
+        directory = CoreDirectory()
+        version, entries = await directory.watch(-1, timeout_s=0.1)
+        assert entries == {}
+        waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
+        await asyncio.sleep(0.01)
+        directory.publish("r1", ["127.0.0.1", 5000, "t"])
+        version, entries = await asyncio.wait_for(waiting, 1)
+        assert entries == {"r1": ["127.0.0.1", 5000, "t"]}
+        directory.publish("r1", ["127.0.0.1", 5000, "t"])  # again, unchanged: no news
+        assert (await directory.watch(version, timeout_s=0.05))[0] == version
+        waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
+        await asyncio.sleep(0.01)
+        directory.withdraw("r1")
+        assert (await asyncio.wait_for(waiting, 1))[1] == {}
+
+    asyncio.run(main())
+
+
+def test_an_address_not_published_again_expires():
+    now = [0.0]
+    directory = CoreDirectory(clock=lambda: now[0])
+    directory.publish("gone", ["h", 1, "t"])
+    now[0] = ENTRY_TTL_S - 1
+    directory.publish("alive", ["h", 2, "t"])
+    now[0] = ENTRY_TTL_S + 1
+    directory.publish("alive", ["h", 2, "t"])
+    assert set(directory.entries) == {"alive"}
