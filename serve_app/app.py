@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -21,7 +22,7 @@ from serve_app.routing.policy import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
-SERVE_NAMESPACE = "serve"  # the Ray namespace `serve run` starts Ray in
+SERVE_NAMESPACE = "serve"  # the Ray namespace `serve run` starts Ray in, and Serve's own
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
 DIRECTORY_DEPLOYMENT = "CoreDirectory"
@@ -167,6 +168,23 @@ def start_serve(settings: ServeSettings) -> ServeSettings:
     return settings.model_copy(update={"direct_http": direct})
 
 
+def serve_run_runtime_env(params: dict[str, Any]) -> dict[str, Any]:
+    """The runtime env `serve run` builds from its options: `--runtime-env` (a YAML file) or
+    `--runtime-env-json`, then `--working-dir` over either."""
+    runtime_env: dict[str, Any] = {}
+    if params.get("runtime_env") and params.get("runtime_env_json"):
+        raise ValueError("only one of --runtime-env and --runtime-env-json can be given")
+    if params.get("runtime_env"):
+        import yaml
+        with open(params["runtime_env"]) as f:
+            runtime_env = yaml.safe_load(f) or {}
+    elif params.get("runtime_env_json"):
+        runtime_env = json.loads(params["runtime_env_json"])
+    if params.get("working_dir"):
+        runtime_env["working_dir"] = params["working_dir"]
+    return runtime_env
+
+
 def start_serve_for_serve_run(settings: ServeSettings) -> ServeSettings:
     """Under `serve run serve_app:app ...`: start Ray and Serve here, as `serve run` would.
 
@@ -189,13 +207,9 @@ def start_serve_for_serve_run(settings: ServeSettings) -> ServeSettings:
                            "(`pagedserve serve`, `serve run serve_app:app`); here Serve's own "
                            "http_options apply")
         return settings
-    from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
-
     params = context.params
     ray.init(address=params.get("address"), namespace=SERVE_NAMESPACE,
-             runtime_env=parse_runtime_env_args(runtime_env=params.get("runtime_env"),
-                                                runtime_env_json=params.get("runtime_env_json"),
-                                                working_dir=params.get("working_dir")))
+             runtime_env=serve_run_runtime_env(params))
     settings = start_serve(settings)
     if settings.direct_http:
         print(f"pagedserve: the OpenAI API will be at http://{settings.host}:{settings.port}/v1",

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from replicas import protocol
 
 if TYPE_CHECKING:
-    from serve_app.engine_client import EngineClient, RequestStream
+    from serve_app.engine_client import EngineClient
+    from serve_app.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from replicas.pooling import pooling_params
 from replicas.sampling_params import ParamError, RequestOutputKind
 from serve_app import errors, formatters, limits
 from serve_app import embeddings
-from serve_app.engine_client import EngineClient, RequestStream, merge_streams
+from serve_app.engine_client import EngineClient
+from serve_app.request_stream import RequestStream, merge_streams
 from serve_app.config import IngressSettings
 from serve_app.errors import OpenAIError
 from serve_app.health import ReplicaHealth

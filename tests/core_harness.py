@@ -15,7 +15,8 @@ from replicas.config import EngineConfig
 from replicas.core_process import CoreProcess
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import RequestOutputKind, SamplingParams
-from serve_app.engine_client import EngineClient, RequestStream
+from serve_app.engine_client import EngineClient
+from serve_app.request_stream import RequestStream
 from serve_app.routing.policy import RoutingSettings
 
 

@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import re
-import threading
 import time
 
 import jsonschema
