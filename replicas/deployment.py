@@ -65,6 +65,7 @@ class EngineReplica:
         self.stall_timeout_s = stall_timeout_s
         self._last_steps = -1
         self._last_progress = time.monotonic()
+        self.stalled = False
         self._metrics = ReplicaMetrics(self.replica_id)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._export_metrics())]
@@ -113,6 +114,7 @@ class EngineReplica:
         if not busy or stats.get("num_steps") != self._last_steps:
             self._last_steps, self._last_progress = stats.get("num_steps"), now
         elif now - self._last_progress > self.stall_timeout_s:
+            self.stalled = True  # nothing to drain when Ray Serve stops it
             raise RuntimeError(f"the engine has work but has not stepped for "
                                f"{now - self._last_progress:.0f} s")
         # Cores that came or went since this process last moved (a scale change): follow them.
@@ -145,7 +147,7 @@ class EngineReplica:
             task.cancel()
         if self.directory is not None:
             await self._withdraw()
-        if self.core.is_healthy() and not await self.core.drain(
+        if self.core.is_healthy() and not self.stalled and not await self.core.drain(
                 max(0.0, self.drain_s - DRAIN_MARGIN_S)):
             logger.warning("engine replica %s stopped with requests still running",
                            self.replica_id)

@@ -141,8 +141,8 @@ class EngineCore:
     def _idle_wait_s(self) -> float:
         waits = [DIGEST_PERIOD_S if self.server.clients else None,
                  IDLE_STATS_PERIOD_S if self._stats_fading else None,
-                 self.probe_interval_s / 4]
-        return min(w for w in waits if w is not None)
+                 self.probe_interval_s / 4 if self.probe_interval_s else None]
+        return min((w for w in waits if w is not None), default=None)
 
     def _handle(self, client: Client, message) -> None:
         self._stats_due = True
@@ -188,6 +188,8 @@ class EngineCore:
     def _probe_if_due(self) -> None:
         """An idle engine proves it can generate now and then (readiness): a one-token request
         through the same scheduler and cache as any other, whose output nobody reads."""
+        if self.probe_interval_s is None:
+            return
         now = time.time()
         last = self.last_generation_time
         if (self.engine.has_unfinished_requests() or now - self._last_probe < self.probe_interval_s

@@ -98,7 +98,7 @@ class Start(_Message):
     config: dict[str, Any]  # an EngineConfig's fields
     host: str  # where it listens for its clients
     max_requests: int | None = None  # it refuses new requests while it holds this many
-    probe_interval_s: float = 10.0  # idle this long, it proves it can generate (readiness)
+    probe_interval_s: float | None = 10.0  # idle this long, it proves it can generate; None: never
     engine_class: str | None = None  # "module:Class" of another engine (tests, custom engines)
 
 

@@ -35,7 +35,7 @@ class StaticDirectory:
 
 @contextlib.asynccontextmanager
 async def running_core(config: EngineConfig, *, engine_class: str | None = None,
-                       max_requests: int | None = None, probe_interval_s: float = 3600.0,
+                       max_requests: int | None = None, probe_interval_s: float | None = None,
                        max_queued_requests: int = -1, in_process: bool = True
                        ) -> AsyncIterator[tuple[CoreProcess, EngineClient]]:
     start = protocol.Start(config.model_dump(), "127.0.0.1", max_requests, probe_interval_s,

@@ -155,7 +155,8 @@ def test_an_idle_core_keeps_sending_stats_until_its_load_has_faded(tiny_model_di
             # reads above the fixed cost of a step.
             await asyncio.gather(*(generate(client, f"r{i}", [5] * 40, SamplingParams(
                 max_tokens=64, **GREEDY)) for i in range(8)))
-            await wait_until(lambda: core.stats["num_requests"] == 0)
+            await wait_until(lambda: core.stats["num_generation_tokens"] == 8 * 64
+                             and core.stats["num_requests"] == 0)
             busy = core.stats["compute_utilization"]
             await wait_until(lambda: core.stats["compute_utilization"] == 0,
                              timeout_s=DEFAULT_WINDOW_S + 5)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, replica_stats, wait_for
+from tests.serve.conftest import ENGINE_ARGS, MODEL_NAME, wait_for
 
 pytestmark = pytest.mark.long
 
@@ -112,32 +112,6 @@ def test_scaling_down_in_place_cuts_no_stream(drain_app, tiny_model_dir):
     asyncio.run(_streams_through(drain_app, scale_down))
     wait_for(lambda: len(_replica_names()) == 2, 90, 0.5, "the drained replica gone")
     assert set(_replica_names()) < set(before), "nothing restarted: the ingress and one replica stay"
-
-
-def test_scaling_down_cuts_no_stream_sent_on_a_core_channel(drain_app, tiny_model_dir):
-    """The same with the engines in core processes, the streams sent on the ingress's channels
-    (no Ray call for Ray Serve to wait for): the stopping replica drains them itself."""
-    engine = {"engine_class": "tests.serve.slow_engine:VerySlowCoreEngine"}
-    _deploy(tiny_model_dir, **engine)
-    wait_for(lambda: _running_replicas() == 2, 60, 0.5, "2 replicas")
-    _open_channels(drain_app)
-
-    def scale_down():
-        _deploy(tiny_model_dir, blocking=False, engine_replica={"num_replicas": 1}, **engine)
-        wait_for(lambda: _running_replicas() == 1, 30, 0.2, "1 replica running")
-    asyncio.run(_streams_through(drain_app, scale_down))
-    stats = replica_stats(APP, 1)
-    assert sum(s["core_channel_requests"] for s in stats.values()) > 0
-    wait_for(lambda: len(_replica_names()) == 2, 90, 0.5, "the drained replica gone")
-
-
-def _open_channels(base_url: str) -> None:
-    """Meet both replicas (distinct prompts have distinct homes), so their channels open."""
-    with httpx.Client(base_url=base_url, timeout=60) as http:
-        for i in range(8):
-            r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": f"warm {i}",
-                                                   "max_tokens": 1})
-            assert r.status_code == 200, r.text
 
 
 def test_autoscaling_down_cuts_no_stream(drain_app, tiny_model_dir):

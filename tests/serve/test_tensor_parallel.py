@@ -64,12 +64,23 @@ def test_placement_group_has_a_bundle_per_rank(tp_app):
 
 @slow
 def test_openai_api_answers_as_the_single_rank_engine(tp_app, offline_llm):
+    """Streamed and whole, on the one token path: the replica's core (in a thread of the replica,
+    where Ray placed the ranks) over its connection to the ingress."""
+    import json
+
     from replicas import SamplingParams
     response = _complete(tp_app)
     assert response.status_code == 200, response.text
     expected = offline_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
                                     use_tqdm=False)[0].outputs[0].text
     assert response.json()["choices"][0]["text"] == expected
+    body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True)
+    with tp_app.stream("POST", "/v1/completions", json=body) as streamed:
+        events = [line[len("data: "):] for line in streamed.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]
+                   if json.loads(e)["choices"]) == expected
 
 
 @slow
