@@ -15,11 +15,15 @@ import time
 PUBLISH_PERIOD_S = 2.0
 ENTRY_TTL_S = 3 * PUBLISH_PERIOD_S + 1.0
 WATCH_TIMEOUT_S = 10.0
+# A directory that has just started (Ray Serve replaced it) lists only the replicas that have
+# published since: it answers once every live replica has had its turn.
+WARMUP_S = PUBLISH_PERIOD_S + 1.0
 
 
 class CoreDirectory:
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, warmup_s: float = WARMUP_S):
         self.clock = clock
+        self.ready_at = clock() + warmup_s
         self.entries: dict[str, tuple[list, float]] = {}  # replica id -> (address, published at)
         self.version = 0
         self._changed = asyncio.Event()
@@ -39,6 +43,7 @@ class CoreDirectory:
     async def watch(self, version: int, timeout_s: float = WATCH_TIMEOUT_S
                     ) -> tuple[int, dict[str, list]]:
         """The listing once it differs from `version` (or after timeout_s): (version, entries)."""
+        await asyncio.sleep(max(0.0, self.ready_at - self.clock()))
         deadline = self.clock() + timeout_s
         while version == self.version and self.clock() < deadline:
             self._changed.clear()

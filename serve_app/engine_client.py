@@ -97,6 +97,8 @@ class EngineClient:
             link = self.links.get(replica_id)
             if link is None or link.address != address:
                 self._connect(CoreLink(replica_id, address))
+            elif link.withdrawn and not link.closed:  # listed again (a restarted directory)
+                link.withdrawn = False
         self._update_live()
 
     def _connect(self, link: CoreLink) -> None:

@@ -9,7 +9,7 @@ from serve_app.core_directory import ENTRY_TTL_S, CoreDirectory
 
 def test_watchers_hear_publications_and_withdrawals_at_once():
     async def main():
-        directory = CoreDirectory()
+        directory = CoreDirectory(warmup_s=0.0)
         version, entries = await directory.watch(-1, timeout_s=0.1)
         assert entries == {}
         waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
@@ -23,6 +23,19 @@ def test_watchers_hear_publications_and_withdrawals_at_once():
         await asyncio.sleep(0.01)
         directory.withdraw("r1")
         assert (await asyncio.wait_for(waiting, 1))[1] == {}
+
+    asyncio.run(main())
+
+
+def test_a_new_directory_answers_once_every_replica_had_its_turn_to_publish():
+    async def main():
+        directory = CoreDirectory(warmup_s=0.2)
+        directory.publish("r1", ["h", 1, "t"])
+        waiting = asyncio.ensure_future(directory.watch(-1, timeout_s=0))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # an ingress that read an empty listing now would drop r2
+        directory.publish("r2", ["h", 2, "t"])
+        assert set((await waiting)[1]) == {"r1", "r2"}
 
     asyncio.run(main())
 
