@@ -90,6 +90,7 @@ class EngineCore:
         self._stats_due = True
         self._stats_sent_at = 0.0
         self._stats_fading = False  # the last stats sent had load or a working set to fade
+        self._sent_busy = False  # the last stats sent showed requests
         self._digest_at = 0.0
 
     def info(self) -> dict:
@@ -134,6 +135,9 @@ class EngineCore:
             for client, message in server.take_received():
                 self._handle(client, message)
             self._probe_if_due()
+            # Stats before the step too: a step that hangs must find the replica knowing the
+            # core has work (its stall check reads them).
+            self._send_stats(link)
             outputs = self._step() if self.engine.has_unfinished_requests() else []
             self._send(outputs)
             self._send_stats(link)
@@ -274,10 +278,12 @@ class EngineCore:
         busy = self.engine.has_unfinished_requests()
         if self._stats_fading and not busy and now - self._stats_sent_at >= IDLE_STATS_PERIOD_S:
             self._stats_due = True
-        if not self._stats_due or (busy and now - self._stats_sent_at < STATS_PERIOD_S):
+        # While busy, at most every STATS_PERIOD_S; the first stats that show work, at once.
+        if not self._stats_due or (busy and self._sent_busy
+                                   and now - self._stats_sent_at < STATS_PERIOD_S):
             return
         stats = self.stats()
-        self._stats_due, self._stats_sent_at = False, now
+        self._stats_due, self._stats_sent_at, self._sent_busy = False, now, busy
         self._stats_fading = bool(stats.get("compute_utilization") or stats.get("kv_working_set"))
         link.sendall(protocol.frame(protocol.Stats(stats)))
 

@@ -150,3 +150,15 @@ class HTTPFrontDoor:
         except TimeoutError:
             self._server.force_exit = True
             self._task.cancel()
+
+
+def application_id() -> str:
+    """This Serve application, cluster-wide: the ingress replicas that may share a port (hashed:
+    anyone who can reach the port may read it)."""
+    import hashlib
+
+    import ray
+    from ray import serve
+
+    name = f"{ray.get_runtime_context().gcs_address}/{serve.get_replica_context().app_name}"
+    return hashlib.sha256(name.encode()).hexdigest()[:16]

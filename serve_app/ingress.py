@@ -25,11 +25,9 @@ from replicas import cpu_binding, protocol
 from replicas.block_hash import block_hashes
 from replicas.pooling import pooling_params
 from replicas.sampling_params import ParamError, RequestOutputKind
-from serve_app import errors, formatters, limits
-from serve_app import embeddings
-from serve_app.engine_client import EngineClient
-from serve_app.request_stream import RequestStream, merge_streams
+from serve_app import embeddings, errors, formatters, limits
 from serve_app.config import IngressSettings
+from serve_app.engine_client import EngineClient
 from serve_app.errors import OpenAIError
 from serve_app.health import ReplicaHealth
 from serve_app.metrics import IngressMetrics
@@ -38,6 +36,7 @@ from serve_app.prompts import (INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_pr
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                 DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                                 TokenizeCompletionRequest, TokenizeResponse, random_id)
+from serve_app.request_stream import RequestStream, merge_streams
 from serve_app.routing.metrics import RoutingMetrics
 from serve_app.routing.policy import RoutingSettings
 from serve_app.stream_pacer import StreamPacer
@@ -75,10 +74,10 @@ class Ingress:
         self.front_door = None
         self._http_app = None
         if self.settings.http_port is not None:  # last: serve HTTP only once built
-            from serve_app.front_door import HTTPFrontDoor
+            from serve_app.front_door import HTTPFrontDoor, application_id
             self.front_door = HTTPFrontDoor(
                 self.__serve_build_asgi_app__(), self.settings.http_host, self.settings.http_port,
-                self.settings.max_ongoing_requests, self.settings.retry_after_s, _application_id())
+                self.settings.max_ongoing_requests, self.settings.retry_after_s, application_id())
             await self.front_door.start()
 
     def reconfigure(self, config: dict) -> None:
@@ -382,17 +381,6 @@ class Ingress:
                 for s in streams:
                     s.cancel()
             self._record(formatter, info, started, streams)
-
-
-def _application_id() -> str:
-    """This Serve application, cluster-wide: the ingress replicas that may share a port (hashed:
-    anyone who can reach the port may read it)."""
-    import hashlib
-
-    import ray
-
-    name = f"{ray.get_runtime_context().gcs_address}/{serve.get_replica_context().app_name}"
-    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def _parse(model_cls, request):

@@ -242,3 +242,42 @@ def test_sockets_close_with_the_core(tiny_model_dir):
     core.shutdown()
     with pytest.raises(OSError):
         socket.create_connection((host, port), timeout=2)
+
+
+class HangingEngine:
+    """An LLMEngine whose steps hang while it holds a request whose id starts with "hang", until
+    `release` is set: a wedged device, as the replica's stall check must see it."""
+
+    release = None  # a threading.Event, set by the test
+
+    def __new__(cls, config):
+        from replicas.engine import LLMEngine
+
+        class Hanging(LLMEngine):
+            def step(self):
+                if any(r.startswith("hang") for r in self.requests):
+                    HangingEngine.release.wait(30)
+                return super().step()
+        return Hanging(config)
+
+
+def test_a_core_whose_first_step_hangs_has_told_its_replica_it_has_work(tiny_model_dir):
+    """The replica's stall check reads the core's stats: the stats that show a request must leave
+    before the step that hangs on it, or an idle-looking core would never be replaced."""
+    import threading
+
+    HangingEngine.release = threading.Event()
+
+    async def main():
+        async with running_core(config(str(tiny_model_dir("llama"))),
+                                engine_class=f"{__name__}:HangingEngine") as (core, client):
+            await wait_until(lambda: core.stats["num_requests"] == 0)
+            steps = core.stats["num_steps"]
+            stream = asyncio.ensure_future(generate(client, "hang-1", [5] * 8,
+                                                    SamplingParams(max_tokens=4, **GREEDY)))
+            await wait_until(lambda: core.stats["num_requests"] == 1, timeout_s=3)
+            assert core.stats["num_steps"] == steps  # it is stuck in its first step
+            HangingEngine.release.set()
+            assert len((await stream).outputs[0].token_ids) == 4
+
+    asyncio.run(main())
