@@ -84,7 +84,8 @@ class CoreProcess:
         self._send(protocol.Drain())
         deadline = time.monotonic() + timeout_s
         await asyncio.sleep(DRAIN_POLL_S)  # the Drain's stats
-        while self.is_healthy() and (self.stats.get("num_requests", 0) or not self.stats.get("draining")):
+        while self.is_healthy() and (self.stats.get("num_requests", 0)
+                                     or not self.stats.get("draining")):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(DRAIN_POLL_S)
@@ -129,7 +130,8 @@ class CoreProcess:
         except BlockingIOError:
             return
         except OSError as exc:
-            data, self.error = b"", self.error or EngineDeadError(f"the engine core is gone: {exc}")
+            self._loop.remove_reader(self.sock.fileno())
+            return self._die(EngineDeadError(f"the engine core is gone: {exc}"))
         if not data:
             self._loop.remove_reader(self.sock.fileno())
             code = self._process.poll() if self._process is not None else None

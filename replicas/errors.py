@@ -1,5 +1,4 @@
-"""Errors the engine raises that callers across a process boundary tell apart (no torch here:
-the ingress imports this)."""
+"""Errors the engine raises that its callers (the engine core, the offline API) tell apart."""
 from __future__ import annotations
 
 
@@ -10,7 +9,3 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str], message: str):
         super().__init__(f"the engine step failed: {message}")
         self.request_ids = request_ids
-        self.reason = message
-
-    def __reduce__(self):  # crosses process boundaries intact
-        return (StepFailed, (self.request_ids, self.reason))

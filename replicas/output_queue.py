@@ -1,10 +1,9 @@
 """OutputQueue: one request's outputs on their way to one consumer.
 
 A consumer that keeps up gets each output as it is made; one that fell behind gets everything
-pending as a single output (deltas folded together with `RequestOutput.add`, a cumulative output
-superseding the older ones), so per-token work downstream shrinks exactly when it is the
-bottleneck and never delays a token for an idle consumer. Pure asyncio: used by the engine
-replica and by the ingress alike.
+pending as a single output (deltas folded together with `RequestOutput.add`: the engine protocol
+carries deltas), so per-token work downstream shrinks exactly when it is the bottleneck and never
+delays a token for an idle consumer. Pure asyncio: the ingress's `RequestStream` reads it.
 """
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from replicas.outputs import RequestOutput
 
 
 class OutputQueue:
-    def __init__(self, aggregate: bool = True):
-        self.aggregate = aggregate  # fold deltas; False: the newest (cumulative) output wins
+    def __init__(self):
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self.finished = False  # a finished output or an error has been put
@@ -24,7 +22,7 @@ class OutputQueue:
         if self.finished:
             return
         pending = self._pending
-        if isinstance(item, BaseException) or pending is None or not self.aggregate:
+        if isinstance(item, BaseException) or pending is None:
             self._pending = item
         else:
             pending.add(item)

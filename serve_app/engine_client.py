@@ -145,21 +145,21 @@ class EngineClient:
     # -- what the cores send ----------------------------------------------------------------------
     def on_outputs(self, link: CoreLink, message: protocol.CoreOutputs) -> None:
         requests = link.requests
+        ids, finished = [], []
         for output in message.outputs:
-            stream = requests.get(output.request_id)
+            request_id = output.request_id
+            ids.append(request_id)
+            if output.finished:
+                finished.append(request_id)
+            stream = requests.pop(request_id, None) if output.finished else requests.get(request_id)
             if stream is not None:
-                if output.finished:
-                    del requests[output.request_id]
                 stream.queue.put(output)
         for failure in message.failures:
             stream = requests.pop(failure.request_id, None)
             if stream is not None:
                 stream.queue.put(self._error(failure))
         if message.report is not None:
-            ids = [o.request_id for o in message.outputs]
-            self.router.observe_step(link.replica_id, ids,
-                                     [o.request_id for o in message.outputs if o.finished],
-                                     message.report)
+            self.router.observe_step(link.replica_id, ids, finished, message.report)
         if message.digest is not None and self.router.observe(link.replica_id, message.digest):
             self.last_generation[link.replica_id] = message.digest.get("last_generation_time")
             if self.metrics is not None:
@@ -167,7 +167,7 @@ class EngineClient:
         if message.draining and not link.draining:
             link.draining = True
             self._update_live()
-        if message.failures or any(o.finished for o in message.outputs):
+        if message.failures or finished:
             self._wake_waiting()
 
     def _error(self, failure: protocol.Failure) -> BaseException:
