@@ -238,11 +238,16 @@ def test_decoder_pooling_equals_transformers(tiny_model_dir, mode):
 def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
     from replicas.pooling import pooling_params
     from replicas.sampling_params import SamplingParams
-    from tests.core_harness import generate, running_core
+    from tests.core_harness import generate, running_core, started
 
     path = str(tiny_model_dir("llama"))
     config = EngineConfig(model=path, pooling="mean", num_kv_blocks=64, dtype="float32")
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+    async def rest(outputs, first):
+        async for output in outputs:
+            first.add(output)
+        return first
 
     async def run():
         async with running_core(config) as (core, client):
@@ -250,9 +255,13 @@ def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
             alone = (await generate(client, "alone", ids[1], greedy)).outputs[0].token_ids
             await asyncio.sleep(0.3)  # the core's stats after the last step
             steps = core.stats["num_steps"]
+            # The embeddings are sent once the generation runs, so they cannot get a step of
+            # their own by arriving first; they arrive long before its last step.
+            stream = await started(client, "together", ids[1], greedy)
+            outputs = aiter(stream)
+            first = await anext(outputs)
             together, vectors = await asyncio.gather(
-                generate(client, "together", ids[1], greedy),
-                client.embed("e", ids, pooling_params("mean")))
+                rest(outputs, first), client.embed("e", ids, pooling_params("mean")))
             await asyncio.sleep(0.3)
             return (ids, alone, together.outputs[0].token_ids, vectors,
                     core.stats["num_steps"] - steps, core.info["tasks"])
@@ -260,7 +269,7 @@ def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
     ids, alone, together, vectors, num_steps, tasks = asyncio.run(run())
     assert together == alone  # greedy output does not depend on what it was batched with
     np.testing.assert_allclose(vectors, _transformers_pooled(path, ids, "mean"), atol=1e-4)
-    assert num_steps == 12  # the pooling prefills rode along in the generation's steps
+    assert num_steps == 48  # the pooling prefills rode along in the generation's steps
     assert tasks == ["generate", "embed"]
 
 
