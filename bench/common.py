@@ -86,7 +86,9 @@ def alternate_decode_children(module: str, env_name: str, settings: dict[str, st
 def cpu_info() -> dict:
     """The CPU a result was measured on: model name, the native kernels' level, the flags that
     pick kernels (avx2, avx512f, avx512_bf16, ...), whether bf16 is native, cores."""
-    from kernels import cpu_features  # stdlib only: no torch import in the benchmark's parent
+    from pagedserve.kernels import (  # stdlib only: no torch import in the benchmark's parent
+        cpu_features,
+    )
     return {**cpu_features.describe(), "num_cpus": os.cpu_count()}
 
 

@@ -2,7 +2,7 @@
 
 On an AVX-512 machine, `--cpu-level avx2` measures pagedserve and its peers as an AVX2-only CPU
 with the same cores would run them:
-- pagedserve's kernels obey PAGEDSERVE_CPU_LEVEL (kernels.cpu_features);
+- pagedserve's kernels obey PAGEDSERVE_CPU_LEVEL (pagedserve.kernels.cpu_features);
 - torch's own kernels, and the C++ that inductor generates for vLLM, obey ATEN_CPU_CAPABILITY;
 - oneDNN, under torch's GEMMs and vLLM's, obeys ONEDNN_MAX_CPU_ISA;
 - vLLM-CPU picks its compiled kernel library (`_C_AVX2`, `_C_AVX512` or `_C`) and some kernels from
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kernels.cpu_features import OVERRIDE_ENV
+from pagedserve.kernels.cpu_features import OVERRIDE_ENV
 
 # What caps torch (ATen) and oneDNN at each level pagedserve can be forced to.
 CAPS = {

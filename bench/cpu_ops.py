@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import max_error, time_interleaved
-from kernels import cpu_features, native, native_linear, native_norm_act, norm_act, rotary, torch_attention
+from pagedserve.kernels import (
+    cpu_features,
+    native,
+    native_linear,
+    native_norm_act,
+    norm_act,
+    rotary,
+    torch_attention,
+)
 
 
 def run_norm_act(args) -> list[dict]:
@@ -192,8 +200,8 @@ def _exponential_race(logits: torch.Tensor) -> torch.Tensor:
 
 def run_sample(args) -> list[dict]:
     """The random sampler's draw (csrc/sample.c, inverse CDF at one uniform per row) against the
-    exponential race it replaced and against kernels.reference.sample_rows, on a step's logits."""
-    from kernels import native_sample, reference
+    exponential race it replaced and against pagedserve.kernels.reference.sample_rows, on a step's logits."""
+    from pagedserve.kernels import native_sample, reference
 
     vocab = args.vocab
     print(f"\nrandom draw from [rows, {vocab}] logits, {args.threads} thread(s); times in us; "

@@ -23,8 +23,8 @@ SETTINGS = {"layer loop": "0", "one call": "1"}
 
 
 def child(args) -> None:
-    from replicas import LLM, SamplingParams
-    from replicas.default_model import find_default_gguf
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.replicas.model_files.default_model import find_default_gguf
 
     llm = LLM(str(find_default_gguf()), num_threads=args.threads, dtype="float32", kv_cache_memory_gb=0.5)
     prompts = [{"prompt_token_ids": list(range(1000 + 7 * i, 1000 + 7 * i + PROMPT_LEN))}

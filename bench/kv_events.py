@@ -27,12 +27,12 @@ import random
 import time
 
 from bench.common import write_result
-from replicas.block_manager import BlockManager
-from replicas.cache_digest import RoutingReporter
-from replicas.kv_events import EVENT_WINDOW_S, BlockRemoved, BlockStored
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
-from serve_app.routing.cache_mirror import CacheMirror
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.cache_digest import RoutingReporter
+from pagedserve.replicas.core.kv_events import EVENT_WINDOW_S, BlockRemoved, BlockStored
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.serve_app.routing.cache_mirror import CacheMirror
 
 BLOCK_SIZE = 16
 NUM_SYSTEM_PROMPTS = 16

@@ -66,7 +66,7 @@ def workload(args) -> list[tuple[list[int], int]]:
 
 
 def run_pagedserve(model_dir: Path, requests, threads: int) -> dict:
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", num_threads=threads, kv_cache_memory_gb=0.25)
     llm.generate({"prompt_token_ids": requests[0][0][:8]}, SamplingParams(max_tokens=2), use_tqdm=False)

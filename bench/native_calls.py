@@ -28,7 +28,7 @@ def per_call(args) -> dict[str, dict[str, float]]:
     import torch
 
     from bench.quant_gemm import random_quant
-    from kernels import native, quant_linear
+    from pagedserve.kernels import native, quant_linear
 
     torch.set_num_threads(args.threads)
     if native.calls() != "python":
@@ -67,8 +67,8 @@ def per_call(args) -> dict[str, dict[str, float]]:
 
 
 def decode_child(args) -> None:
-    from replicas import LLM, SamplingParams
-    from replicas.default_model import find_default_gguf
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.replicas.model_files.default_model import find_default_gguf
 
     llm = LLM(str(find_default_gguf()), num_threads=args.threads, dtype="float32", kv_cache_memory_gb=0.5)
     prompt = list(range(1000, 1000 + PROMPT_LEN))

@@ -37,8 +37,8 @@ def peak_rss_mb() -> float:
 
 
 def run_pagedserve(args, requests) -> dict:
-    from replicas import LLM, SamplingParams
-    from replicas.default_model import resolve_model
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.replicas.model_files.default_model import resolve_model
 
     # The checkpoint every system here loads (the default model's float32 conversion, not the
     # GGUF file the engine would pick on its own), so that dtypes and systems compare like for like.
@@ -63,7 +63,7 @@ def run_transformers(args, requests) -> dict:
     import torch
     import transformers
 
-    from replicas.default_model import resolve_model
+    from pagedserve.replicas.model_files.default_model import resolve_model
     model_dir = resolve_model(args.model)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,7 +90,7 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from replicas.default_model import resolve_model
+    from pagedserve.replicas.model_files.default_model import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     requests = workload(args, len(tokenizer), set(tokenizer.all_special_ids))
     result = (run_pagedserve if args.child == "pagedserve" else run_transformers)(args, requests)

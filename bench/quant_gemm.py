@@ -24,8 +24,8 @@ import time
 import torch
 
 from bench.common import write_result
-from kernels import cpu_features, cpu_linear, quant_linear, reference
-from kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels import cpu_features, cpu_linear, quant_linear, reference
+from pagedserve.kernels.quantized import QuantWeight, pack_values
 
 HIDDEN, INTERMEDIATE, Q_SIZE, KV_SIZE, VOCAB = 576, 1536, 576, 192, 49152
 LAYER_SHAPES = {"qkv": (Q_SIZE + 2 * KV_SIZE, HIDDEN), "o": (HIDDEN, Q_SIZE),

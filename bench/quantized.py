@@ -39,7 +39,7 @@ PROMPT_LEN, NEW_TOKENS = 16, 64
 
 def weight_bytes(model) -> int:
     """Bytes of every weight as the model holds it: packed copies, quantized ones, the rest."""
-    from replicas.models.layers import Embedding, Linear
+    from pagedserve.replicas.models.layers import Embedding, Linear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
@@ -57,7 +57,7 @@ def weight_bytes(model) -> int:
 
 
 def child(args) -> None:
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(args.model_path, num_threads=args.threads, max_num_seqs=max(args.batches),
               kv_cache_memory_gb=1.0, dtype="float32")
@@ -80,7 +80,7 @@ def child(args) -> None:
 
 def make_checkpoint(fmt: str, fp32_dir: Path, out: Path) -> Path:
     """The checkpoint a format names (float32 and the shipped GGUF exist already)."""
-    from replicas.default_model import find_default_gguf
+    from pagedserve.replicas.model_files.default_model import find_default_gguf
     from tests import quant_checkpoints as qc
 
     if fmt == "float32":
@@ -108,7 +108,7 @@ INT8_SUFFIX = "-a8"
 
 
 def run_child(model_path: Path, threads: int, batches: list[int], int8: bool = False) -> dict:
-    from kernels.quant_linear import ACTIVATIONS_ENV
+    from pagedserve.kernels.quant_linear import ACTIVATIONS_ENV
 
     cmd = [sys.executable, "-m", "bench.quantized", "--child", str(model_path),
            "--threads", str(threads), "--batches", ",".join(map(str, batches))]
@@ -158,7 +158,7 @@ def main() -> None:
         child(args)
         return
 
-    from replicas.default_model import ensure_default_model
+    from pagedserve.replicas.model_files.default_model import ensure_default_model
     formats = args.formats.split(",")
     fp32_dir = ensure_default_model()
     workdir = Path(tempfile.mkdtemp(prefix="bench-quantized-"))

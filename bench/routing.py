@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from bench.common import free_port, write_result
-from replicas.block_hash import block_hashes
+from pagedserve.replicas.core.block_hash import block_hashes
 
 APP_NAME = "pagedserve"
 # The router's settings for each run: ours, and load alone (power of two choices, prefixes
@@ -209,7 +209,7 @@ def summarize(results: list[Result], ideal: list[int], prompt_lens: list[int]) -
 def run_router(args, model_dir: str, router: dict, workload: list[Turn], base_url: str) -> list[Result]:
     from ray import serve
 
-    from serve_app import build_app
+    from pagedserve.serve_app import build_app
 
     serve.run(build_app(settings(args, model_dir, router)), name=APP_NAME, route_prefix="/")
     try:

@@ -16,9 +16,9 @@ import argparse
 import torch
 
 from bench.common import time_interleaved, write_result
-from replicas.sampler import Sampler
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
+from pagedserve.replicas.execution.sampler import Sampler
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
 
 OPTIONS = {
     "greedy": dict(temperature=0.0),

@@ -326,7 +326,7 @@ def main() -> None:
         parser.error("--threads must be a multiple of --replicas")
     if args.engine_threads is not None and not 1 <= args.engine_threads * args.replicas <= args.threads:
         parser.error("--engine-threads x --replicas must be between 1 and --threads")
-    from replicas.default_model import resolve_model
+    from pagedserve.replicas.model_files.default_model import resolve_model
     if args.model == "tiny":
         from bench.serving_overhead import build_tiny
         model_dir = build_tiny(tempfile.mkdtemp(prefix="bench-serving-tiny-"))

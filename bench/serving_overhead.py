@@ -49,7 +49,7 @@ def engine_args(args, threads: int) -> dict:
 def engine_settings(args) -> dict:
     """The --set settings that are the engine's (dtype, ...): the offline run takes them too, so
     that both sides compare the same engine."""
-    from replicas.config import EngineConfig
+    from pagedserve.replicas.config import EngineConfig
     return {key: value for key, value in (item.split("=", 1) for item in args.set)
             if key in EngineConfig.model_fields}
 
@@ -89,7 +89,7 @@ def serving_cpu_seconds() -> dict[int, tuple[str, float]]:
 
 
 def offline_child(args) -> None:
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(args.model, **{**engine_args(args, args.offline_threads), **engine_settings(args)})
     tokenizer = llm.get_tokenizer()
@@ -216,11 +216,11 @@ def main() -> None:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from replicas import cpu_binding
-    from replicas.default_model import resolve_model
-    from serve_app import build_app
-    from serve_app.app import start_serve
-    from serve_app.config import ServeSettings
+    from pagedserve.replicas.engine import cpu_binding
+    from pagedserve.replicas.model_files.default_model import resolve_model
+    from pagedserve.serve_app import build_app
+    from pagedserve.serve_app.app import start_serve
+    from pagedserve.serve_app.config import ServeSettings
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     ray.init(num_cpus=max(2, args.replicas * args.threads), include_dashboard=False, log_to_driver=False)

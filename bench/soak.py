@@ -244,9 +244,9 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serve_app import build_app
-    from serve_app.app import start_serve
-    from serve_app.config import ServeSettings
+    from pagedserve.serve_app import build_app
+    from pagedserve.serve_app.app import start_serve
+    from pagedserve.serve_app.config import ServeSettings
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()

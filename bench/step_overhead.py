@@ -19,14 +19,14 @@ import time
 import torch
 
 from bench.common import write_result
-from kernels import AttentionMetadata
-from replicas.block_manager import BlockManager
-from replicas.config import EngineConfig
-from replicas.model_runner import ModelRunner, RunnerOutput
-from replicas.sampler import compute_prompt_logprobs
-from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler, SchedulerOutput
-from replicas.sequence import Sequence
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.execution.model_runner import ModelRunner, RunnerOutput
+from pagedserve.replicas.execution.sampler import compute_prompt_logprobs
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.replicas.core.sequence import Sequence
 from tests.tiny_models import build_tiny_model
 
 BATCH_SIZES = (1, 16, 64, 256)

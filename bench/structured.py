@@ -143,9 +143,9 @@ def _summary(compiles: list[float], masks: list[float]) -> dict:
 
 def bench_engine(model: str | None, num_requests: int, max_tokens: int, rounds: int,
                  num_threads: int | None) -> dict:
-    from replicas import LLM, SamplingParams
-    from replicas.sampling_params import StructuredOutputsParams
-    from replicas.structured.bitmask import TokenBitmask
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.replicas.core.sampling_params import StructuredOutputsParams
+    from pagedserve.replicas.structured.bitmask import TokenBitmask
 
     mask_time = [0.0, 0]
     real_apply = TokenBitmask.apply
@@ -207,7 +207,7 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from replicas.default_model import resolve_model
+    from pagedserve.replicas.model_files.default_model import resolve_model
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size

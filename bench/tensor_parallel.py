@@ -48,11 +48,11 @@ def build_model(out_dir: Path) -> Path:
 
 def default_model_message() -> str:
     """What the engine says to tensor_parallel_size=2 on the default model."""
-    from replicas.default_model import resolve_model
-    from replicas.model_loader import load_config
-    from replicas.models import get_model_class
-    from replicas.parallel.sharding import check_tensor_parallel
-    from replicas.quant import quantization_of
+    from pagedserve.replicas.model_files.default_model import resolve_model
+    from pagedserve.replicas.models.loader import load_config
+    from pagedserve.replicas.models import get_model_class
+    from pagedserve.replicas.parallel.sharding import check_tensor_parallel
+    from pagedserve.replicas.quant import quantization_of
     try:
         model = resolve_model(None)
         hf_config = load_config(model)
@@ -93,7 +93,7 @@ def run(llm, batch: int, tokens: int, vocab: int, threads: int) -> tuple[float, 
 
     import torch
 
-    from replicas import SamplingParams
+    from pagedserve import SamplingParams
     torch.set_num_threads(threads)  # rank 0's (this process's)
     rng = random.Random(batch)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]}
@@ -111,9 +111,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
 
-    from replicas import LLM
-    from replicas.parallel.executor import Workers
-    from replicas.parallel.state import TensorParallel
+    from pagedserve import LLM
+    from pagedserve.replicas.parallel.executor import Workers
+    from pagedserve.replicas.parallel.state import TensorParallel
 
     path = build_model(Path(tempfile.gettempdir()) / "pagedserve-bench-tp-llama")
     engine = dict(num_threads=2, num_kv_blocks=64 * (PROMPT_LEN + args.tokens) // 16 + 16,

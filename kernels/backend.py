@@ -6,14 +6,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from kernels import reference, rotary
+from pagedserve.kernels import reference, rotary
 
 
 class AttentionBackend(NamedTuple):
     name: str
     store_kv: Callable
     paged_attention: Callable
-    rotary_store_kv: Callable  # kernels.rotary.rotary_store_kv's signature, over this store_kv
+    rotary_store_kv: Callable  # pagedserve.kernels.rotary.rotary_store_kv's signature, over this store_kv
 
 
 def _backend(name: str, store_kv: Callable, paged_attention: Callable,
@@ -30,9 +30,9 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
         return _backend("reference", reference.store_kv, reference.paged_attention,
                         rotary.rotary_store_kv_reference)
     if name == "torch":
-        from kernels import torch_attention
+        from pagedserve.kernels import torch_attention
         return _backend("torch", torch_attention.store_kv, torch_attention.paged_attention)
     if name == "triton":
-        from kernels import triton_attention
+        from pagedserve.kernels import triton_attention
         return _backend("triton", triton_attention.store_kv, triton_attention.paged_attention)
     raise ValueError(f"unknown attention backend {name!r}: use auto, torch, triton or reference")

@@ -91,30 +91,21 @@ def lower_levels(level: str) -> list[str]:
 def has_native_bf16() -> bool:
     """Whether bf16 matmuls run natively at the CPU level in use (AVX512-BF16; AMX CPUs have it
     too): there bf16 weights halve the bytes a decode step streams, at a compute speed near fp32's;
-    elsewhere bf16 is emulated and many times slower (1.4 GFLOP/s vs ~90 fp32 on a Zen 3)."""
+    elsewhere bf16 is emulated and many times slower than fp32 (bench/cpu_ops.py measures it)."""
     return LEVELS.index(cpu_level()) >= LEVELS.index("avx512_bf16")
 
 
 # The dtype `dtype="auto"` runs an unquantized checkpoint in on the CPU, per level, whatever dtype
 # the checkpoint is stored in (as vLLM's CPU backend does): bf16 where it is faster end to end than
-# fp32. Measured, default model (SmolLM2-135M, its float32 conversion), output tok/s, dtypes
-# alternating in one run:
-#   avx512_bf16, Intel Xeon (Sapphire Rapids class, no AMX exposed), 24 mixed requests, 1 thread,
-#                2026-12-01: bf16 / fp32 = 1.11.
-#   avx512_bf16, AMD EPYC Zen 4, bench.peers.offline, 32 requests, 2 threads, 2026-12-02: 1.49.
-#   avx512_bf16, AMD EPYC Zen 5 (avx512_vp2intersect, no AMX), 32 requests x 96 tokens, 2 threads,
-#                2026-12-02: 680 / 484 tok/s = 1.41.
-#   avx512 (AVX-512 without AVX512-BF16) and avx2: bf16 matmuls are emulated by oneDNN or torch,
-#                ~1.4 GFLOP/s against ~90 in fp32 on a Zen 3 (FACTS), so fp32.
+# fp32, which is only where the CPU multiplies bf16 natively (avx512_bf16); below that bf16 matmuls
+# are emulated and far slower, so fp32 (bench.offline_throughput --dtype float32,bfloat16 compares
+# them).
 # bf16 is not token-exact with transformers' fp32; dtype="float32" is, and tests that compare
 # against transformers pass it.
 #
-# Weight-only quantized checkpoints follow the same table. Their kernel (csrc/gemm_q.c) multiplies
-# bf16 activations on vdpbf16ps past decode's few rows (Q_PAIRS); before it had that path, bf16
-# activations measured slower (Zen 5, the default Q4_1 GGUF, 32 requests x 96 tokens: fp32 513,
-# bf16 485 tok/s). With it, Zen 4, the default Q4_1 GGUF, 2 threads, medians of 3, two alternating
-# runs, 2026-12-04: prefill 64 x 256 tokens 876 / 878 -> 1,584 / 1,532 tok/s, 64 x (32 + 96)
-# tokens 484 / 477 -> 762 / 767, batch-1 decode 164 / 162 -> 165 / 160 (fp32 -> bf16).
+# Weight-only quantized checkpoints follow the same table: their kernel (csrc/gemm_q.c) multiplies
+# bf16 activations on vdpbf16ps past decode's few rows (Q_PAIRS), which makes bf16 the faster
+# choice there too (bench/quant_gemm.py --dtype bfloat16 measures it).
 AUTO_DTYPE = {"native": "float32", "avx2": "float32", "avx512": "float32", "avx512_bf16": "bfloat16"}
 
 

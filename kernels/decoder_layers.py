@@ -1,8 +1,8 @@
 """A step through a stack of Llama-style decoder layers in one native call
 (csrc/decoder_layers.c): the same kernels, arguments and order as the model's Python forward
 (replicas/models/llama.py), so the outputs are bit for bit the same; what goes is the Python
-between them, ~40 % of a batch-1 decode step of the default model (module calls, per-kernel
-argument checks, result tensors: ~110 us a layer on Zen 5).
+between them, a large share of a batch-1 decode step of the default model (module calls,
+per-kernel argument checks, result tensors; bench/decode_stack.py measures it).
 
 It takes layers whose projections are all packed for the native GEMMs (weight-only quantized
 panels: GGUF, GPTQ without act-order, AWQ, compressed-tensors; fp32 or bf16 panels), fp32 or bf16
@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import native, native_attention, native_linear, native_norm_act
-from kernels.cpu_linear import PackedWeight
-from kernels.metadata import AttentionMetadata
-from kernels.quant_linear import _BF16_BIAS, _BF16_OUT, _BF16_X, PackedQuant
+from pagedserve.kernels import native, native_attention, native_linear, native_norm_act
+from pagedserve.kernels.cpu_linear import PackedWeight
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.quant_linear import _BF16_BIAS, _BF16_OUT, _BF16_X, PackedQuant
 
 ENV = "PAGEDSERVE_FUSED_DECODE"
 

@@ -1,5 +1,5 @@
 """The batch description every attention backend reads, and the KV cache layout they share.
-Built once per step by the model runner's InputBatch (replicas/input_batch.py).
+Built once per step by the model runner's InputBatch (replicas/execution/input_batch.py).
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 = K, 1 = V). Token slot s lives at block s // block_size, offset s % block_size.

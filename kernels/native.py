@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_features
+from pagedserve.kernels import cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def library(level: str) -> ctypes.CDLL:
     for running one level's kernels beside another's (tests, benchmarks). Only call its kernels
     where the CPU has the level."""
     if not available():
-        raise RuntimeError("the native CPU kernels are not available (see kernels.native.available)")
+        raise RuntimeError("the native CPU kernels are not available (see pagedserve.kernels.native.available)")
     if level not in _libraries:
         _libraries[level] = _load(_build_level(_compiler(), level)[1])
     return _libraries[level]
@@ -256,7 +256,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 def _bind_entries(lib: ctypes.CDLL, path: Path) -> None:
     """Puts the library's own Python entry points (csrc/python_entry.c, built in where Python's
     headers are) in place of its ctypes functions, under the same names: the wrappers call
-    lib.<kernel>(...) either way, ~1.2 us less a call through these."""
+    lib.<kernel>(...) either way, and these skip ctypes' per-argument conversion
+    (bench/native_calls.py measures the difference)."""
     try:
         lib.PyInit_pagedserve_cpu
     except AttributeError:
@@ -286,7 +287,7 @@ def calls(lib: ctypes.CDLL | None = None) -> str:
 
 def _library() -> ctypes.CDLL:
     if _lib is None and not available():
-        raise RuntimeError("the native CPU kernels are not available (see kernels.native.available)")
+        raise RuntimeError("the native CPU kernels are not available (see pagedserve.kernels.native.available)")
     return _lib
 
 
@@ -296,7 +297,7 @@ def _level_library(level: str | None) -> ctypes.CDLL:
 
 
 # The wrappers run dozens of times per engine step: each checks its arguments with one boolean
-# expression (each tensor attribute read costs ~0.1 us) and only explains a failure the slow way.
+# expression (every tensor attribute read costs time) and only explains a failure the slow way.
 
 def _check(status: int) -> None:
     if status:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native
-from kernels.native import BF16_DATA, _check, _level_library
+from pagedserve.kernels import native
+from pagedserve.kernels.native import BF16_DATA, _check, _level_library
 
 
 def usable(logits: torch.Tensor) -> bool:

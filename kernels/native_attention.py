@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native import (_BF16, _F32, BF16_DATA, BF16_KV, _check, _explain_data, _fits_data,
-                            _level_library)
+from pagedserve.kernels.native import (
+    _BF16, _F32, BF16_DATA, BF16_KV, _check, _explain_data, _fits_data, _level_library,
+)
 
 
 def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -17,7 +18,7 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def rows_contiguous(query: torch.Tensor) -> bool:
     """Whether each row [num_heads, head_dim] of a 3-D query is contiguous (rows may be strided):
-    query[0].is_contiguous() without making the view, which costs ~4x these stride reads."""
+    query[0].is_contiguous() without making the view, which costs more than these stride reads."""
     _, num_heads, head_dim = query.shape
     return (head_dim == 1 or query.stride(2) == 1) and (num_heads == 1 or query.stride(1) == head_dim)
 

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from kernels import native
-from kernels.native import _STATUS, _check, _explain, _fits
+from pagedserve.kernels import native
+from pagedserve.kernels.native import _STATUS, _check, _explain, _fits
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,9 @@ BF16_TILES = ("dot", "widen")
 def bf16_tile() -> str:
     """The bf16 tile this process runs: "dot" (vdpbf16ps) or "widen" (fp32 FMAs on the widened
     weight), PAGEDSERVE_BF16_TILE if set, else whichever is faster on this CPU at a compute-bound
-    size (64 rows), timed once. How fast vdpbf16ps issues differs between CPUs (a quarter of the
-    FMA rate on the Xeon measured in kernels/cpu_linear.py), and one choice per process keeps a
-    row's result independent of the batch it runs in. Both read the same packed weight."""
+    size (64 rows), timed once. How fast vdpbf16ps issues against FMAs differs between CPUs, and
+    one choice per process keeps a row's result independent of the batch it runs in. Both read
+    the same packed weight."""
     forced = os.environ.get(BF16_TILE_ENV, "").strip().lower()
     if forced in BF16_TILES:
         return forced

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native import (_BF16, _F32, BF16_DATA, BF16_KV, BF16_WEIGHT, _check, _explain_data, _fits_data,
-                            _level_library, available)
+from pagedserve.kernels.native import (
+    _BF16, _F32, BF16_DATA, BF16_KV, BF16_WEIGHT, _check, _explain_data, _fits_data,
+    _level_library, available,
+)
 
 
 def norm_dtypes(data: torch.dtype, weight: torch.dtype) -> int | None:

@@ -1,12 +1,12 @@
 """The random sampler's draw in the native library (csrc/sample.c): one token per row from
-softmax(logits * scale) by inverse CDF at a uniform the caller draws, as kernels.reference.sample_rows."""
+softmax(logits * scale) by inverse CDF at a uniform the caller draws, as pagedserve.kernels.reference.sample_rows."""
 from __future__ import annotations
 
 import torch
 
-from kernels.native import BF16_DATA, _check, _level_library
-# The logits it reads are the greedy argmax's (else kernels.reference.sample_rows draws).
-from kernels.native_argmax import usable
+from pagedserve.kernels.native import BF16_DATA, _check, _level_library
+# The logits it reads are the greedy argmax's (else pagedserve.kernels.reference.sample_rows draws).
+from pagedserve.kernels.native_argmax import usable
 
 
 def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, scales: torch.Tensor | None = None,

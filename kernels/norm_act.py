@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native, native_norm_act
+from pagedserve.kernels import native, native_norm_act
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

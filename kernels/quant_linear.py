@@ -1,45 +1,29 @@
-"""Weight-only quantized linear layers on CPU: a kernels.quantized.QuantWeight packed once at load
+"""Weight-only quantized linear layers on CPU: a pagedserve.kernels.quantized.QuantWeight packed once at load
 into the layout of csrc/gemm_q.h, then x . W^T computed in float32 with W dequantized in registers
-(kernels.reference.quant_linear is the spec).
+(pagedserve.kernels.reference.quant_linear is the spec).
 
 Panels are as wide as the fp32 GEMM's at the same CPU level (48 columns on AVX-512, 16 on AVX2),
 so a packed layout belongs to the level that packed it, and the packing keeps that level's kernel
 (two levels can share a panel width and differ in code). Where the native kernel cannot run (no
 AVX2 and FMA, no compiler) pack() dequantizes to float32 once and the projection runs on
-kernels.cpu_linear's paths: everything works, without the bytes saved.
+pagedserve.kernels.cpu_linear's paths: everything works, without the bytes saved.
 
-Measured with bench/quant_gemm.py on a 2-core AVX-512 Xeon (Sapphire Rapids class, avx512_bf16
-level), the 30 layers + lm_head of SmolLM2-135M per step, each layer its own weights, 1 thread,
-medians of alternating runs (the machine was shared: load average ~8):
-
-    rows                      1       4      16      64
-    fp32 native GEMM        51 ms   59     124     270
-    int4 g32 (+ int8 head)  14      19      62     255     (the model as it ships, GGUF Q4_1)
-    int8 g32                20      22      76     261
-
-One int4 step reads 110 MiB (scales and offsets included, the lm_head int8) against fp32's 513 MiB:
-4.7x fewer bytes, 3.6x / 3.1x faster at 1 / 4 rows, and level (1.06x) at 64, where both are
-compute bound and each quantized panel is dequantized once per call into a scratch panel in L2.
-Two-thread figures on that shared machine were noise (other processes held the cores).
+Decode is bound by the bytes of its weights, and an int4 step reads a fraction of fp32's, so the
+quantized kernel is faster at decode's few rows; at prefill's many rows both are compute bound
+and each quantized panel is dequantized once per call into a scratch panel in L2, so they run
+level (bench/quant_gemm.py measures both against the fp32 GEMM).
 
 Scales and offsets that are IEEE halves (GGUF's always are) pack as halves: 0.625 bytes a 4-bit
 value instead of 0.75, lossless. PAGEDSERVE_QUANT_ACTIVATIONS=int8 (off by default) packs for
 csrc/gemm_q_i8.c instead, on AVX512-VNNI CPUs: activations rounded to int8 per block of 32, integer
-dot products (llama.cpp's scheme). Measured 2026-12-01 on the Xeon above, 1 thread, 30 layers'
-own weights, weights out of L2, CPU time per call: gate|up 94 -> 49 us, qkv 30 -> 19, o 23 -> 14,
-down 49 -> 27, lm_head (int8) 1.54 -> 1.22 ms; in the engine, at 1 thread on the shared machine,
-~21-23 against ~23-26 CPU-ms per decode step. Not token-exact: greedy on the default model (8 chat
-prompts x 64 tokens) kept 135 / 512 tokens of the float path's (3 prompts differ at the first);
-the lm_head alone on int8 kept 512 / 512.
+dot products (llama.cpp's scheme). It is faster per call but not token-exact: greedy outputs part
+from the float path's within a few tokens, hence off by default.
 
 bf16 rows past decode's few, on AVX512-BF16 (csrc/gemm_q.c's Q_PAIRS): the dequantized panel is
-rounded to bf16 pairs and multiplied on vdpbf16ps. Measured 2026-12-04 on a 2-core Zen 4 EPYC, 2
-threads, the 30 layers' int4 g32 projections in bf16, medians of 7, against the same build at the
-avx512 level (fp32 scratch panel) in alternating processes: 64 rows 68-69 -> 41-45 ms (1.5-1.7x),
-256 rows 261-263 -> 144-164 ms (1.6-1.8x); the default model as shipped (Q4_1), dtype bfloat16,
-prefilling 64 x 256 tokens: 828-855 -> 1,428-1,449 tok/s. Decode's bf16 rows (up to 32,
-csrc/gemm_q.h's Q_DIRECT_PAIR_ROWS) widen the packed integers to bf16 pairs in registers instead,
-exactly, and multiply on vdpbf16ps too (csrc/gemm_q_direct.c, where the figures are).
+rounded to bf16 pairs and multiplied on vdpbf16ps, faster than the fp32 scratch panel there
+(bench/quant_gemm.py --dtype bfloat16). Decode's bf16 rows (up to csrc/gemm_q.h's
+Q_DIRECT_PAIR_ROWS) widen the packed integers to bf16 pairs in registers instead, exactly, and
+multiply on vdpbf16ps too (csrc/gemm_q_direct.c).
 """
 from __future__ import annotations
 
@@ -49,9 +33,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import cpu_linear, native, reference
-from kernels.native import _check
-from kernels.quantized import QuantWeight
+from pagedserve.kernels import cpu_linear, native, reference
+from pagedserve.kernels.native import _check
+from pagedserve.kernels.quantized import QuantWeight
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Bits of the kernel's `dtypes` argument (csrc/gemm_q.h): which of out, x, bias are bf16, and

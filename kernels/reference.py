@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -76,7 +76,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
 
 
 def dequantize_weight(weight) -> torch.Tensor:
-    """A kernels.quantized.QuantWeight -> its float32 [n, k] value, in input-channel order."""
+    """A pagedserve.kernels.quantized.QuantWeight -> its float32 [n, k] value, in input-channel order."""
     n, k = weight.shape
     values = weight.values().float().view(n, k // weight.group_size, weight.group_size)
     dense = (values * weight.scales.unsqueeze(-1) + weight.offsets.unsqueeze(-1)).view(n, k)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_norm_act, reference
+from pagedserve.kernels import native_norm_act, reference
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

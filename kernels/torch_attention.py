@@ -11,9 +11,9 @@ scaled_dot_product_attention call with the query heads of a KV head laid out as 
 positions" (GQA without copying K/V per query head). Prefill chunks go one sequence at a time
 through SDPA with enable_gqa, causal with the offset seq_len - query_len.
 
-Dtypes on the torch path, as measured: decode is memory-bound, so bf16 decodes run in bf16 (half
-the bytes gathered; SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA is no faster
-than fp32 on this CPU, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32:
+Dtypes on the torch path: decode is memory-bound, so bf16 decodes run in bf16 (half the bytes
+gathered; SDPA accumulates in fp32); prefill is compute-bound and bf16 SDPA on CPU is no faster
+than fp32, so prefill runs in fp32 (more accurate for free). fp16 always runs in fp32:
 torch's CPU fp16 kernels are several times slower.
 
 A sliding window gathers only the blocks some query's window reaches (a long prefill runs in query
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import native, native_attention
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels import native, native_attention
+from pagedserve.kernels.metadata import AttentionMetadata
 
-# Bytes of gathered K+V per decode group. Measured on a 2-core Zen 4: one big batched gather spills
-# to DRAM and page-faults (2-3x slower at 64 x 1024 tokens), per-sequence calls pay Python overhead
-# on short contexts; 1-4 MB groups were equally good, 8 MB and up slower.
+# Bytes of gathered K+V per decode group: one big batched gather spills to DRAM and page-faults,
+# per-sequence calls pay Python overhead on short contexts; a group that stays cache-sized avoids
+# both (bench/kernels.py --cpu times the torch path).
 DECODE_GROUP_BYTES = 2 << 20
 # Queries per call of a windowed or soft-capped prefill: a tile reads only the keys its window
 # reaches, and a soft cap's explicit scores stay [heads, tile, tile + window] floats.

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_kernels
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels import triton_kernels
+from pagedserve.kernels.metadata import AttentionMetadata
 
 # Context positions per K/V tile, per kernel. 16 is tl.dot's smallest tile; larger tiles mean fewer
 # loop trips (and far fewer interpreter steps). Prefill tiles trade registers for reuse.

@@ -1,6 +1,6 @@
 """Triton weight-only dequant-GEMM (W4A16 / W8A16): y = x . dequantize_weight(weight)^T (+ bias).
 
-A kernels.quantized.QuantWeight is packed once, at load, by pack(); linear() runs it on
+A pagedserve.kernels.quantized.QuantWeight is packed once, at load, by pack(); linear() runs it on
 activations of any float dtype (fp16, bf16, fp32), accumulating in fp32, output in x's dtype.
 kernels/reference.py's quant_linear is the spec.
 
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quantized import QuantWeight
+from pagedserve.kernels.quantized import QuantWeight
 
 MIN_BLOCK_K = 16  # tl.dot's smallest K
 # Split-K: below this many programs the GPU has idle SMs; each split keeps at least this much of k.

@@ -1,7 +1,7 @@
 """Every setting of the engine and serving models, with its default, meaning and flags.
 
-Read from the pydantic models at run time (`replicas.config.EngineConfig`,
-`serve_app.config.ServeSettings`), so settings added there appear here, in `pagedserve serve
+Read from the pydantic models at run time (`pagedserve.replicas.config.EngineConfig`,
+`pagedserve.serve_app.config.ServeSettings`), so settings added there appear here, in `pagedserve serve
 --help` and in the README's configuration reference without a change to this package.
 """
 from __future__ import annotations
@@ -85,8 +85,8 @@ def catalog() -> list[Setting]:
     """Every setting of both models, with its effective default (as `serve run` builds it)."""
     from pydantic import BaseModel
 
-    from replicas.config import EngineConfig
-    from serve_app.config import ServeSettings
+    from pagedserve.replicas.config import EngineConfig
+    from pagedserve.serve_app.config import ServeSettings
 
     defaults = ServeSettings.from_args({}, env={})
     rows = []

@@ -60,7 +60,7 @@ def run_serve(args: dict[str, Any], name: str, address: str | None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import build_app, checked_settings, start_serve
+    from pagedserve.serve_app.app import build_app, checked_settings, start_serve
 
     try:  # every bad setting fails here, before Ray starts (ValidationError is a ValueError)
         settings = checked_settings(args)

@@ -9,7 +9,7 @@ from typing import Any
 def run_offline(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     from pydantic import ValidationError
 
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     try:
         llm = LLM(**engine_args)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedserve import flags
 from pagedserve.catalog import Option, Setting, show
-from serve_app import APP_NAME
+from pagedserve.serve_app import APP_NAME
 
 
 def usage_error(message: str) -> typing.NoReturn:

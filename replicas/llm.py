@@ -7,13 +7,13 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
-from replicas.config import EngineConfig
-from replicas.embedding_model import resolve_model_name, uses_encoder
-from replicas.encoder_engine import EmbedInput, EncoderEngine
-from replicas.engine import LLMEngine, PromptInput
-from replicas.outputs import RequestOutput
-from replicas.pooling import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
-from replicas.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.model_files.embedding_model import resolve_model_name, uses_encoder
+from pagedserve.replicas.engine.encoder_engine import EmbedInput, EncoderEngine
+from pagedserve.replicas.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.replicas.core.outputs import RequestOutput
+from pagedserve.replicas.core.pooling import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
+from pagedserve.replicas.core.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict]
 

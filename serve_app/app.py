@@ -11,14 +11,14 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from replicas.default_model import check_model_dir
-from replicas.deployment import EngineReplica
-from replicas.embedding_model import resolve_model_name
-from serve_app import autoscaling as queue_depth_autoscaling
-from serve_app.config import ServeSettings
-from serve_app.core_directory import CoreDirectory
-from serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
-from serve_app.routing.policy import RoutingSettings
+from pagedserve.replicas.model_files.default_model import check_model_dir
+from pagedserve.replicas.deployment.engine_replica import EngineReplica, check_model_splits
+from pagedserve.replicas.model_files.embedding_model import resolve_model_name
+from pagedserve.serve_app import autoscaling as queue_depth_autoscaling
+from pagedserve.serve_app.config import ServeSettings
+from pagedserve.serve_app.core_directory import CoreDirectory
+from pagedserve.serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
+from pagedserve.serve_app.routing.policy import RoutingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ DIRECTORY_DEPLOYMENT = "CoreDirectory"
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # The ingress allocates and frees small buffers for every request from many of Ray's threads;
 # glibc's default of one malloc arena per thread (up to 8 per core) fragments them, and its RSS
-# crept up ~4 MB a minute under the soak's load (bench/soak.py), ~1.7 MB with two arenas.
+# crept up under the soak's load (bench/soak.py), far less with two arenas.
 INGRESS_ENV = {**REPLICA_ENV, "MALLOC_ARENA_MAX": "2"}
 
 
@@ -125,17 +125,6 @@ def checked_settings(args: dict[str, Any]) -> ServeSettings:
         if settings.engine.tensor_parallel_size > 1:
             check_model_splits(model_dir, settings.engine.tensor_parallel_size)
     return settings
-
-
-def check_model_splits(model_dir, tensor_parallel_size: int) -> None:
-    """The model's heads (and architecture) allow tensor_parallel_size, before any replica starts."""
-    from replicas.model_loader import load_config
-    from replicas.models import get_model_class
-    from replicas.parallel.sharding import check_tensor_parallel
-    from replicas.quant import quantization_of
-    hf_config = load_config(model_dir)
-    check_tensor_parallel(hf_config, tensor_parallel_size, get_model_class(hf_config),
-                          quantized=quantization_of(model_dir) is not None)  # a GGUF's config says none
 
 
 def check_cluster_fits(settings: ServeSettings) -> None:

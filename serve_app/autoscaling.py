@@ -1,6 +1,6 @@
 """Autoscaling for the engine replicas: a custom Ray Serve autoscaling policy.
 
-Each replica reports three things (`record_autoscaling_stats`, see `replicas.cache_digest`),
+Each replica reports three things (`record_autoscaling_stats`, see `pagedserve.replicas.core.cache_digest`),
 which Ray Serve averages per replica over `look_back_period_s`:
 - `queue_depth`: waiting sequences plus KV-cache pressure. Requests still queued in the ingress
   handles (every replica at its `max_ongoing_requests`) are queued too.
@@ -32,27 +32,29 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from replicas.cache_digest import KV_WORKING_SET_METRIC, LOAD_METRIC, QUEUE_DEPTH_METRIC
+from pagedserve.replicas.core.cache_digest import (
+    KV_WORKING_SET_METRIC, LOAD_METRIC, QUEUE_DEPTH_METRIC,
+)
 
 # Bounds on one decision's step (`desired_num_replicas` says why): up to STEP_UP times the
 # replicas (or 4 more), down by at most 1 / STEP_DOWN of them.
 STEP_UP = 1.5
 STEP_DOWN = 2
 TURNED = 0.9  # a load this far below its last half-minute's peak has stopped rising
-POLICY_PATH = "serve_app.autoscaling:QueueDepthPolicy"
+POLICY_PATH = "pagedserve.serve_app.autoscaling:QueueDepthPolicy"
 
 DEFAULTS = dict(
     target_queue_depth=4.0,
     # Scale down only to replicas this far under the targets: a band, so a removal does not
-    # bring the next addition back. 0.8 cost 2-5 % more replica-seconds in the fleet
+    # bring the next addition back. A wider band cost more replica-seconds in the fleet
     # simulator's days for no better latency (`python -m bench.fleet --workload diurnal`).
     downscale_ratio=0.9,
     # Each replica's load to aim for: the rest is headroom for the load's growth while new
     # replicas start.
     target_load=0.8,
     # How far ahead the load's trend is followed: the time a replica asked for now takes to
-    # serve (the upscale delay, a replica's start-up, ~30 s, and the stats windows' lag, ~10 s),
-    # with a margin; 0 follows the load as it is.
+    # serve (the upscale delay, a replica's start-up and the stats windows' lag), with a margin;
+    # 0 follows the load as it is.
     lead_s=60.0,
     trend_window_s=60.0,  # the load history the trend is fitted over
     # The share of the fleet's reused prefix working set its KV caches must be able to hold, or
@@ -71,9 +73,9 @@ DEFAULTS = dict(
     # A replica's queue in its first seconds of serving is its cache warming, not demand: the
     # router moves tenants' homes onto it (the cold homes of the grown set, load-override past
     # busy holders) and each re-prefills its shared context there. Read as growth, that queue
-    # asked for a bounded step more on every scale-up while the load rose (hour-long day, seed
-    # 3: 7 -> 11 replicas where 8-9 held the load, then back). Its load and working set count
-    # from the start; 0 counts its queue too.
+    # asked for a bounded step more on every scale-up while the load rose, overshooting what held
+    # the load (bench.fleet --workload diurnal). Its load and working set count from the start;
+    # 0 counts its queue too.
     warmup_s=30.0,
     upscale_delay_s=10.0,  # Ray Serve LLM's default target is effectively "never": ours scales
     downscale_delay_s=60.0,

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from replicas.config import EngineConfig
-from serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
-from serve_app.limits import RequestLimits
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
+from pagedserve.serve_app.limits import RequestLimits
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 
@@ -57,8 +57,8 @@ class IngressSettings(BaseModel):
 
 
 class ServeSettings(RequestLimits):
-    """Everything `serve_app.app.build_app` needs; `engine` is handed to every replica as is.
-    The request limits (`serve_app.limits.RequestLimits`) are fields of it too."""
+    """Everything `pagedserve.serve_app.app.build_app` needs; `engine` is handed to every replica as is.
+    The request limits (`pagedserve.serve_app.limits.RequestLimits`) are fields of it too."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -120,13 +120,13 @@ class ServeSettings(RequestLimits):
     # The longest pacing holds back a stream's tokens.
     max_stream_delay_s: float = Field(DEFAULTS["max_stream_delay_s"], ge=0)
 
-    # Each replica's engine steps in a process of its own (replicas/engine_core.py), where no
+    # Each replica's engine steps in a process of its own (replicas/engine/core.py), where no
     # event loop competes with it for the GIL; false: in a thread of the replica's process.
     engine_process: bool = True
     # Seams: import paths ("module:attr") for a custom engine class (an LLMEngine's surface, run by
     # the engine core) and autoscaling policy function. None: LLMEngine (or the encoder's), and
-    # serve_app.autoscaling's queue-depth policy. request_router_kwargs: the ingress's router's
-    # settings (serve_app.routing.policy.RoutingSettings).
+    # pagedserve.serve_app.autoscaling's queue-depth policy. request_router_kwargs: the ingress's router's
+    # settings (pagedserve.serve_app.routing.policy.RoutingSettings).
     engine_class: str | None = None
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
     autoscaling_policy: str | None = None

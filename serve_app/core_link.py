@@ -2,7 +2,7 @@
 
 It connects to the address the core's replica published (`serve_app/core_directory.py`), says
 `Hello`, then writes requests and aborts as they come and reads one `CoreOutputs` per engine step
-that had something for this ingress (`replicas/protocol.py`), handing each to its `EngineClient`.
+that had something for this ingress (`replicas/engine/protocol.py`), handing each to its `EngineClient`.
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from replicas import protocol
+from pagedserve.replicas.engine import protocol
 
 if TYPE_CHECKING:
-    from serve_app.engine_client import EngineClient
-    from serve_app.request_stream import RequestStream
+    from pagedserve.serve_app.engine_client import EngineClient
+    from pagedserve.serve_app.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 

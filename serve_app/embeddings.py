@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from serve_app import errors
-from serve_app.errors import OpenAIError
+from pagedserve.serve_app import errors
+from pagedserve.serve_app.errors import OpenAIError
 
 # OpenAI's limit on the number of inputs in one request.
 MAX_EMBEDDING_INPUTS = 2048

@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from replicas import cpu_binding, protocol
-from serve_app import errors
-from serve_app.core_link import CoreLink
-from serve_app.errors import OpenAIError
-from serve_app.routing.metrics import RoutingMetrics
-from serve_app.routing.policy import RoutingSettings
-from serve_app.routing.router_state import RouterState
-from serve_app.request_stream import Refused, RequestStream
-from serve_app.stream_pacer import StreamPacer
-from serve_app.stream_text import StreamText
+from pagedserve.replicas.engine import cpu_binding, protocol
+from pagedserve.serve_app import errors
+from pagedserve.serve_app.core_link import CoreLink
+from pagedserve.serve_app.errors import OpenAIError
+from pagedserve.serve_app.routing.metrics import RoutingMetrics
+from pagedserve.serve_app.routing.policy import RoutingSettings
+from pagedserve.serve_app.routing.router_state import RouterState
+from pagedserve.serve_app.request_stream import Refused, RequestStream
+from pagedserve.serve_app.stream_pacer import StreamPacer
+from pagedserve.serve_app.stream_text import StreamText
 
 logger = logging.getLogger(__name__)
 

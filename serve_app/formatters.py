@@ -11,16 +11,16 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from serve_app import tool_calls
-from serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
+from pagedserve.replicas.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedserve.serve_app import tool_calls
+from pagedserve.serve_app.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                 ChatCompletionResponse, ChatCompletionStreamResponse, ChatStreamChoice,
                                 ChoiceLogprobs, CompletionChoice, CompletionLogprobs,
                                 CompletionRequest, CompletionResponse, CompletionStreamResponse,
                                 DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
                                 ToolCall, random_id)
-from serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
-from serve_app.tool_call_parser import CallStart, Content, Event, ToolCallParser
+from pagedserve.serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
+from pagedserve.serve_app.tool_call_parser import CallStart, Content, Event, ToolCallParser
 
 Merged = AsyncIterator[tuple[int, RequestOutput]]
 

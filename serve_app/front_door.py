@@ -1,8 +1,8 @@
 """HTTPFrontDoor: an ingress replica serving the HTTP API itself, on the public address.
 
 Through Ray Serve's proxy every server-sent event is a Ray message from the ingress replica to
-the proxy, a few hundred microseconds of CPU in each of the two processes whatever the event
-holds: more than the engine spends making the token on a small model. Here each ingress replica
+the proxy, at a CPU cost in each of the two processes whatever the event holds: more than the
+engine spends making the token on a small model. Here each ingress replica
 runs its own uvicorn server on the same ASGI app, so an event is one socket write from the
 process that formatted it. Every ingress replica on a node binds the same port with SO_REUSEPORT
 and the kernel spreads connections over them; Ray handles to the ingress (other Ray jobs) are
@@ -23,7 +23,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from serve_app import errors
+from pagedserve.serve_app import errors
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ deployment still counts it as running. A request that meets a dead engine names 
 (`EngineReplicaDead`), and the application stays unhealthy until that replica's actor is gone.
 
 Readiness asks more than a running process: some engine replica must have sampled a token within
-the last `window_s` (idle cores run a one-token probe to keep proving it, `replicas.engine_core`).
+the last `window_s` (idle cores run a one-token probe to keep proving it, `pagedserve.replicas.engine.core`).
 The cores report when in the routing digests this ingress receives every second.
 """
 from __future__ import annotations

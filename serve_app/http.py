@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from serve_app import errors
-from serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
-from serve_app.errors import OpenAIError
-from serve_app.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                CompletionResponse, DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                ModelList, TokenizeRequest, TokenizeResponse)
-from serve_app.sse import CoalescingStreamingResponse
+from pagedserve.serve_app import errors
+from pagedserve.serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
+from pagedserve.serve_app.errors import OpenAIError
+from pagedserve.serve_app.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+)
+from pagedserve.serve_app.sse import CoalescingStreamingResponse
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ def build_http_app(ingress) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        from serve_app.metrics import prometheus_text
+        from pagedserve.serve_app.metrics import prometheus_text
         return PlainTextResponse(await prometheus_text(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 

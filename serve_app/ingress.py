@@ -1,7 +1,7 @@
 """The Ingress deployment: validate, tokenize, hash, send to an engine replica, shape the answer.
 
 Its typed methods (`models`, `completions`, `chat`, `embeddings`, `tokenize`, `detokenize`,
-`health`) serve both the HTTP routes (`serve_app.http`) and Ray handles from other jobs:
+`health`) serve both the HTTP routes (`pagedserve.serve_app.http`) and Ray handles from other jobs:
 
     handle = serve.get_app_handle("pagedserve")
     response = await handle.chat.remote({"messages": [...], "max_tokens": 16})
@@ -21,26 +21,29 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from replicas import cpu_binding, protocol
-from replicas.block_hash import block_hashes
-from replicas.pooling import pooling_params
-from replicas.sampling_params import ParamError, RequestOutputKind
-from serve_app import embeddings, errors, formatters, limits
-from serve_app.config import IngressSettings
-from serve_app.engine_client import EngineClient
-from serve_app.errors import OpenAIError
-from serve_app.health import ReplicaHealth
-from serve_app.metrics import IngressMetrics
-from serve_app.prompts import (INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_prompt, check_serves,
-                               completion_prompts, encode)
-from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
-                                TokenizeCompletionRequest, TokenizeResponse, random_id)
-from serve_app.request_stream import RequestStream, merge_streams
-from serve_app.routing.metrics import RoutingMetrics
-from serve_app.routing.policy import RoutingSettings
-from serve_app.stream_pacer import StreamPacer
-from serve_app.stream_text import StreamText, take_text
+from pagedserve.replicas.engine import cpu_binding, protocol
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.pooling import pooling_params
+from pagedserve.replicas.core.sampling_params import ParamError, RequestOutputKind
+from pagedserve.serve_app import embeddings, errors, formatters, limits
+from pagedserve.serve_app.config import IngressSettings
+from pagedserve.serve_app.engine_client import EngineClient
+from pagedserve.serve_app.errors import OpenAIError
+from pagedserve.serve_app.health import ReplicaHealth
+from pagedserve.serve_app.metrics import IngressMetrics
+from pagedserve.serve_app.prompts import (
+    INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_prompt, check_serves, completion_prompts,
+    encode,
+)
+from pagedserve.serve_app.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
+    ModelList, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse, random_id,
+)
+from pagedserve.serve_app.request_stream import RequestStream, merge_streams
+from pagedserve.serve_app.routing.metrics import RoutingMetrics
+from pagedserve.serve_app.routing.policy import RoutingSettings
+from pagedserve.serve_app.stream_pacer import StreamPacer
+from pagedserve.serve_app.stream_text import StreamText, take_text
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class Ingress:
         self.front_door = None
         self._http_app = None
         if self.settings.http_port is not None:  # last: serve HTTP only once built
-            from serve_app.front_door import HTTPFrontDoor, application_id
+            from pagedserve.serve_app.front_door import HTTPFrontDoor, application_id
             self.front_door = HTTPFrontDoor(
                 self.__serve_build_asgi_app__(), self.settings.http_host, self.settings.http_port,
                 self.settings.max_ongoing_requests, self.settings.retry_after_s, application_id())
@@ -93,7 +96,7 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         """The HTTP app, built once: the front door and Ray Serve's proxy path share it."""
         if self._http_app is None:
-            from serve_app.http import build_http_app
+            from pagedserve.serve_app.http import build_http_app
             self._http_app = build_http_app(self)
         return self._http_app
 
@@ -102,7 +105,7 @@ class Ingress:
         close the connections to the cores."""
         front_door = getattr(self, "front_door", None)  # None: the constructor did not finish
         if front_door is not None:
-            from serve_app.front_door import END_STREAMS_S
+            from pagedserve.serve_app.front_door import END_STREAMS_S
 
             left_s = self.drain_s - SERVE_DRAIN_LOOP_S
             await front_door.drain(left_s - END_STREAMS_S, lambda: self.engines.fail_all(

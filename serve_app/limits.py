@@ -2,7 +2,7 @@
 
 A request must never be able to make the server slow for everyone: each list, string and count a
 client controls has a limit (a setting), and going past one is a 400 naming the field before any
-work is queued. Bodies are bounded in bytes by the HTTP layer (413, `serve_app.http`); prompts in
+work is queued. Bodies are bounded in bytes by the HTTP layer (413, `pagedserve.serve_app.http`); prompts in
 tokens by the model's context (`Ingress._generate_request`), and in characters before they are
 tokenized, so a megabyte of text is refused without spending the tokenizer on it.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from serve_app import errors
+from pagedserve.serve_app import errors
 
 # A prompt of more characters than this many per token of context cannot fit (no tokenizer we
 # know of averages 32 characters per token), so it is refused before tokenization.
@@ -43,7 +43,7 @@ def _at_most(value: int, limit: int, param: str, what: str) -> None:
 
 
 def check_sampling(request, limits: RequestLimits) -> None:
-    """The fields completions and chat share (`serve_app.protocol.SamplingFields`)."""
+    """The fields completions and chat share (`pagedserve.serve_app.protocol.SamplingFields`)."""
     if request.n > limits.max_n:
         raise errors.bad_request(f"n must be at most {limits.max_n}, got {request.n}", "n",
                                  code="limit_exceeded")

@@ -2,7 +2,7 @@
 
 Everything goes through Ray's metrics (`ray.util.metrics`), which every node exports in Prometheus
 format on its metrics port with a `ray_` prefix; dashboards read those names. The replica's engine
-gauges are defined next to the replica (`replicas/replica_metrics.py`); `/metrics` on the ingress
+gauges are defined next to the replica (`replicas/deployment/metrics.py`); `/metrics` on the ingress
 gathers every node's export and keeps only `ray_pagedserve_*`.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from replicas.replica_metrics import REPLICA_COUNTERS, REPLICA_GAUGES
+from pagedserve.replicas.deployment.metrics import REPLICA_COUNTERS, REPLICA_GAUGES
 
 PREFIX = "pagedserve_"
 EXPORT_PREFIX = "ray_" + PREFIX

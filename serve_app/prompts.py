@@ -7,8 +7,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app import errors, tool_calls
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
+from pagedserve.serve_app import errors, tool_calls
+from pagedserve.serve_app.protocol import (
+    ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
+)
 
 
 @dataclass(frozen=True)

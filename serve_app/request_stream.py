@@ -9,16 +9,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from replicas import protocol
-from replicas.output_queue import OutputQueue
-from replicas.outputs import RequestOutput
-from serve_app import errors
-from serve_app.stream_pacer import StreamPacer
-from serve_app.stream_text import StreamText
+from pagedserve.replicas.engine import protocol
+from pagedserve.serve_app.output_queue import OutputQueue
+from pagedserve.replicas.core.outputs import RequestOutput
+from pagedserve.serve_app import errors
+from pagedserve.serve_app.stream_pacer import StreamPacer
+from pagedserve.serve_app.stream_text import StreamText
 
 if TYPE_CHECKING:
-    from serve_app.core_link import CoreLink
-    from serve_app.engine_client import EngineClient
+    from pagedserve.serve_app.core_link import CoreLink
+    from pagedserve.serve_app.engine_client import EngineClient
 
 
 class Refused(Exception):

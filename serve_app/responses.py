@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from serve_app.protocol import (ChoiceLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob,
-                                TopLogprob, Usage)
+from pagedserve.replicas.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedserve.serve_app.protocol import (
+    ChoiceLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage,
+)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """StreamPacer: one ingress replica's budget of server-sent events, shared by its open streams.
 
 Every event costs the ingress a socket write (and, through Ray Serve's proxy, a Ray message each
-to the proxy and from it: a few hundred microseconds of CPU on a small CPU, whatever the event
-holds), so with many streams the serving path, not the engine, could set the pace. A stream whose
+to the proxy and from it: a fixed CPU cost, whatever the event holds), so with many streams the
+serving path, not the engine, could set the pace. A stream whose
 previous event left less than `open streams / events_per_s` ago (and never more than
 `max_delay_s`) waits out the rest, then sends everything that piled up as one event; a lone
 stream, or one slower than its share, never waits.
@@ -71,7 +71,7 @@ class StreamPacer:
                 # Measured only while events flow freely: paced, the work that does not follow
                 # the events (taking requests, reading the engines' outputs) spreads over fewer
                 # of them, and each window would read a dearer event and tighten the budget
-                # again, down to max_delay_s, saving nothing (seen: 19 tokens an event).
+                # again, down to max_delay_s, saving nothing.
                 cpu_per_event = max(cpu_used / self._window_events, 1e-9)
                 self.events_per_s = min(max(self.cpu_share / cpu_per_event, MIN_EVENTS_PER_S),
                                         MAX_EVENTS_PER_S)

@@ -11,9 +11,9 @@ request in the core, which holds its KV blocks until told.
 """
 from __future__ import annotations
 
-from replicas.detokenizer import IncrementalDetokenizer
-from replicas.outputs import CompletionOutput, RequestOutput
-from replicas.sampling_params import SamplingParams
+from pagedserve.replicas.core.detokenizer import IncrementalDetokenizer
+from pagedserve.replicas.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.replicas.core.sampling_params import SamplingParams
 
 
 def take_text(params: SamplingParams) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from serve_app.tool_calls import ToolSpec
+    from pagedserve.serve_app.tool_calls import ToolSpec
 
 TAG = "<tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from replicas.sampling_params import ParamError, StructuredOutputsParams
-from serve_app.tool_call_parser import ToolCallParser
+from pagedserve.replicas.core.sampling_params import ParamError, StructuredOutputsParams
+from pagedserve.serve_app.tool_call_parser import ToolCallParser
 
 ANY_OBJECT = {"type": "object"}
 

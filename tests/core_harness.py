@@ -10,14 +10,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from replicas import protocol
-from replicas.config import EngineConfig
-from replicas.core_process import CoreProcess
-from replicas.outputs import RequestOutput
-from replicas.sampling_params import RequestOutputKind, SamplingParams
-from serve_app.engine_client import EngineClient
-from serve_app.request_stream import RequestStream
-from serve_app.routing.policy import RoutingSettings
+from pagedserve.replicas.engine import protocol
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.core_process import CoreProcess
+from pagedserve.replicas.core.outputs import RequestOutput
+from pagedserve.replicas.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.serve_app.engine_client import EngineClient
+from pagedserve.serve_app.request_stream import RequestStream
+from pagedserve.serve_app.routing.policy import RoutingSettings
 
 
 class StaticDirectory:

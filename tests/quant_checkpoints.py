@@ -36,8 +36,8 @@ def build_quant_model(out_dir: str | Path) -> Path:
 
 def assert_same_weights(got: dict, reference: dict, rtol: float = 1e-6) -> None:
     """What a reader yielded (tensors or QuantWeights) equals the reference float weights."""
-    from kernels.quantized import QuantWeight
-    from kernels.reference import dequantize_weight
+    from pagedserve.kernels.quantized import QuantWeight
+    from pagedserve.kernels.reference import dequantize_weight
     assert set(got) == set(reference)
     for name, ref in reference.items():
         value = got[name]
@@ -175,7 +175,9 @@ def write_compressed_tensors(model_dir, out_dir, *, bits: int = 4, strategy: str
     """A checkpoint as llm-compressor saves one, packed by compressed-tensors' own compressor
     (the reference is its own decompressor's output)."""
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme,
+    )
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,

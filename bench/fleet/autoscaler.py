@@ -1,4 +1,4 @@
-"""Ray Serve's autoscaling loop around the real policy (`serve_app.autoscaling.QueueDepthPolicy`):
+"""Ray Serve's autoscaling loop around the real policy (`pagedserve.serve_app.autoscaling.QueueDepthPolicy`):
 replicas push `record_autoscaling_stats()` every `metrics_interval_s`; each control tick averages
 each replica's pushes of each metric over `look_back_period_s` into `ctx.aggregated_metrics`
 (`{metric: {replica: mean}}`), calls the policy,
@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from serve_app.autoscaling import DEFAULTS, QueueDepthPolicy, QueueDepthPolicySettings
+from pagedserve.serve_app.autoscaling import DEFAULTS, QueueDepthPolicy, QueueDepthPolicySettings
 
 
 @dataclass

@@ -20,7 +20,7 @@ from bench.fleet.cost_model import CostModel, fit
 
 def measure_steps(engine, num_requests: int, seed: int) -> list[tuple[int, int, float]]:
     """(prefill tokens, decoding sequences, seconds) of every non-empty step."""
-    from replicas.sampling_params import SamplingParams
+    from pagedserve.replicas.core.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = min(engine.tokenizer.vocab_size, 30000)
@@ -71,8 +71,8 @@ def main(argv=None) -> CostModel:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "fleet_cost_cpu.json")
     args = p.parse_args(argv)
 
-    from replicas.config import EngineConfig
-    from replicas.engine import LLMEngine
+    from pagedserve.replicas.config import EngineConfig
+    from pagedserve.replicas.engine.llm_engine import LLMEngine
 
     model_dir = args.model
     if args.tiny:

@@ -23,8 +23,8 @@ from bench.fleet.ingresses import Ingresses
 from bench.fleet.pagedserve_router import OracleRouter, PagedServeRouter
 from bench.fleet.replica import ReplicaSettings, Request, SimReplica
 from bench.fleet.workloads import Workload
-from serve_app.config import DEFAULTS as SERVE_DEFAULTS
-from serve_app.routing.policy import RoutingSettings
+from pagedserve.serve_app.config import DEFAULTS as SERVE_DEFAULTS
+from pagedserve.serve_app.routing.policy import RoutingSettings
 
 ROUTERS = ("pagedserve", "p2c", "approx", "random", "roundrobin", "oracle")
 

@@ -1,6 +1,6 @@
 """The router under test, driven as the ingress drives it, and the oracle.
 
-`PagedServeRouter` makes exactly the calls `serve_app.engine_client.EngineClient` makes on
+`PagedServeRouter` makes exactly the calls `pagedserve.serve_app.engine_client.EngineClient` makes on
 `RouterState`: it observes each digest that arrives (`update_replicas`); when the fleet's routable
 set changes it retains it (the fleet offers a retry only the replicas with room, which must not
 make the router forget the others); per request it asks `choose` for a ranking (counted against no
@@ -16,8 +16,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 
 from bench.fleet.replica import Request, SimReplica
-from serve_app.routing.policy import RoutingSettings, choose_replica
-from serve_app.routing.router_state import RouterState
+from pagedserve.serve_app.routing.policy import RoutingSettings, rank_replicas
+from pagedserve.serve_app.routing.prefix_index import PrefixMatch
+from pagedserve.serve_app.routing.rendezvous import ReplicaSet
+from pagedserve.serve_app.routing.router_state import RouterState
 
 
 class PagedServeRouter:
@@ -99,8 +101,10 @@ class OracleRouter:
                 num += 1
             matches[replica_id] = num
         self._matches = matches
-        return choose_replica(hashes[:limit], loads, matches, self.settings, self.rng,
-                              self.queued_prefill).ranking()
+        common = min(matches.values())
+        deeper = {r: m for r, m in matches.items() if m > common}
+        return rank_replicas(hashes[:limit], ReplicaSet(loads, loads), PrefixMatch(common, deeper),
+                             self.settings, self.rng, self.queued_prefill).ranking()
 
     def routed(self, request: Request, replica_id: str) -> None:
         blocks = self._queued[request.request_id] = (self._prompt_blocks(request, replica_id)

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from bench.fleet.clock import EventQueue
 from bench.fleet.cost_model import CostModel
-from replicas.block_manager import BlockManager
-from replicas.cache_digest import (RoutingReporter, StepReport, autoscaling_inputs,
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.cache_digest import (RoutingReporter, StepReport, autoscaling_inputs,
                                    autoscaling_stats, step_report)
-from replicas.scheduler import Scheduler
-from replicas.sequence import SequenceStatus
-from replicas.step_load import StepLoad
+from pagedserve.replicas.core.scheduler import Scheduler
+from pagedserve.replicas.core.sequence import SequenceStatus
+from pagedserve.replicas.core.step_load import StepLoad
 
 _seq_ids = itertools.count()
 
@@ -39,7 +39,7 @@ class Request:
 
 
 class SimSequence:
-    """What `Scheduler` and `BlockManager` read of a `replicas.sequence.Sequence`, without tokens:
+    """What `Scheduler` and `BlockManager` read of a `pagedserve.replicas.core.sequence.Sequence`, without tokens:
     a block's "tokens" are its hash, so the block manager's token re-check on a hit still runs.
     It is its own sampling params (greedy, ignore_eos, `max_tokens` from the request)."""
 

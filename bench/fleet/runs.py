@@ -15,7 +15,7 @@ from bench.fleet.fleet import Fleet, FleetSettings
 from bench.fleet.replica import ReplicaSettings
 from bench.fleet.report import summarize
 from bench.fleet.workloads import Workload, WorkloadSettings
-from serve_app.routing.policy import RoutingSettings
+from pagedserve.serve_app.routing.policy import RoutingSettings
 
 
 def build(args) -> tuple[costs.CostModel, ReplicaSettings, FleetSettings]:

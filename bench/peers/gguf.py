@@ -51,7 +51,7 @@ GOALS = {"batch 1 decode": 1.0, "conc 32": 2.0}  # pagedserve / llama.cpp, from 
 
 def tokenizer_dir(model: str) -> str:
     """An HF tokenizer folder for the GGUF file (the load generator needs one; converted once)."""
-    from replicas.quant.gguf_tokenizer import tokenizer_dir as convert
+    from pagedserve.replicas.quant.gguf_tokenizer import tokenizer_dir as convert
     return str(convert(model))
 
 
@@ -69,7 +69,7 @@ def write_workload(args, tokenizer: str, path: Path) -> None:
 
 def pagedserve_child(args) -> None:
     """Our side of llamacpp_offline.py: the same workload and result fields."""
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     workload = json.loads(Path(args.workload).read_text())
     began = time.perf_counter()
@@ -221,7 +221,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return pagedserve_child(args)
-    from replicas.default_model import find_default_gguf
+    from pagedserve.replicas.model_files.default_model import find_default_gguf
     args.model = str(Path(args.model).resolve()) if args.model else str(find_default_gguf())
     args.replicas, args.request_rates = 1, ""  # bench.serving's settings: one replica, no rate sweep
     parts = [p for p in args.parts.split(",") if p]

@@ -34,7 +34,7 @@ import subprocess
 from pathlib import Path
 
 from bench.peers.vllm_env import PEERS_DIR
-from kernels import cpu_features
+from pagedserve.kernels import cpu_features
 
 SETUP_SCRIPT = Path(__file__).resolve().parent / "setup_llamacpp.sh"
 OFFLINE_SCRIPT = Path(__file__).resolve().parent / "llamacpp_offline.py"

@@ -58,7 +58,7 @@ def largest_batch_args(args) -> argparse.Namespace:
 
 
 def model_dir(args) -> str:
-    from replicas.default_model import resolve_model
+    from pagedserve.replicas.model_files.default_model import resolve_model
     return resolve_model(args.model)
 
 

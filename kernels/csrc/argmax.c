@@ -1,8 +1,8 @@
 /* The index of each row's largest value, the first where several tie and the first NaN where
  * there is one, as torch.argmax: the greedy sampler's only op on a step's [rows, vocab] logits.
- * torch's CPU argmax measured 1.4 ms on 64 x 49,152 fp32 logits at 2 threads on a Zen 5 (bf16:
- * 5.6 ms), 3-4 % of a batch-64 decode step of the default model. Here each row is read twice,
- * both passes vectorised: its max, then the first block holding it (from cache by then). */
+ * torch's CPU argmax is slow on a large vocabulary (slower still on bf16), a visible share of a
+ * decode step. Here each row is read twice, both passes vectorised: its max, then the first block
+ * holding it (from cache by then). */
 
 #include "common.h"
 

@@ -4,8 +4,8 @@
  * forward's; kernels/decoder_layers.py says when a model and a step qualify.
  *
  * Why: at batch 1 the model's Python between kernels (module calls, argument checks, result
- * tensors) cost ~40 % of the default model's decode step (~110 us a layer, measured on Zen 5),
- * against ~9 kernel calls a layer that are each a few microseconds of work. Steps with prefills
+ * tensors) cost a large share of the default model's decode step, beside nine or so kernel calls
+ * a layer that each do little work (bench/decode_stack.py). Steps with prefills
  * take it too: under streaming load most steps are a prefill chunk beside the decodes, and on a
  * small model the layer loop made those steps the engine's slowest.
  *

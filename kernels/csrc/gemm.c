@@ -6,13 +6,12 @@
  *
  *   AVX2 + FMA (16 ymm): 6 rows x 16 columns, 12 accumulators (BLIS's Haswell shape).
  *   AVX-512 (32 zmm):    PS_TILE_ROWS rows x 16 * PS_TILE_VECS columns, 8 x 48 by default:
- *                        24 accumulators + 3 panel vectors + a broadcast. Of 12 x 32, 14 x 32,
- *                        7 / 8 / 9 x 48 and 6 x 64 (-D PS_TILE_VECS / PS_TILE_ROWS), the 48-wide
- *                        tiles and 6 x 64 tie on one thread, 12 x 32 is ~5 % behind; on two
- *                        threads 8 x 48 leads by 5-15 % (the default model's 576 outputs are 12
- *                        panels of 48, split evenly, but 9 of 64), and 8 divides 16, 64, 256.
+ *                        24 accumulators + 3 panel vectors + a broadcast. Other shapes can be
+ *                        built (-D PS_TILE_VECS / PS_TILE_ROWS); 8 x 48 splits best over two
+ *                        threads (the default model's 576 outputs are 12 panels of 48, split
+ *                        evenly, but 9 of 64), and 8 divides 16, 64, 256.
  *
- * Why: at 2-64 rows MKL and oneDNN reach 25-50 % of the FMA peak. A register-blocked tile
+ * Why: at decode's row counts MKL and oneDNN stay well below the FMA peak. A register-blocked tile
  * streams each panel once from memory, sequentially (prefetched ahead), and reuses it for every
  * row tile from L1/L2. Threads split the panels, so a second thread also gets half
  * the weight bytes. */
@@ -55,8 +54,8 @@ typedef __m256 vec;
 
 #define PANEL (VEC_WIDTH * PS_TILE_VECS)
 /* Panel rows prefetched ahead (12 KB at 48 columns): the hardware prefetcher alone leaves the first
- * row tile of each panel waiting on memory; measured 10-30 % faster at 4-64 rows, on both levels,
- * and no better at 8 or 128. A prefetch past the weight's end is harmless. */
+ * row tile of each panel waiting on memory, and nearer or farther distances were no better
+ * (bench/cpu_ops.py times the GEMM). A prefetch past the weight's end is harmless. */
 #ifndef PS_PREFETCH_K
 #define PS_PREFETCH_K 64
 #endif
@@ -68,8 +67,8 @@ int pagedserve_linear_panel(void) { return PANEL; }
 
 /* One tile: `mr` rows of x against one panel. mr is a literal at every call site (see tile), so
  * the `mr > r` tests fold away, as do the `PS_TILE_VECS > v` ones; the accumulators are named
- * variables rather than an array, which GCC would keep on the stack (a store per FMA, measured 3x
- * slower). Unused ones are dead code. */
+ * variables rather than an array, which GCC would keep on the stack (a store per FMA, several
+ * times slower). Unused ones are dead code. */
 #define PS_ROW_FMA(r)                                                                      \
     if (mr > r) {                                                                          \
         vec a = vec_broadcast(x + r * x_stride + i);                                       \
@@ -144,7 +143,7 @@ static void tile(float *out, int64_t out_stride, const float *x, int64_t x_strid
 
 /* rows of x against one panel, in tiles of near-equal height (20 rows at 8 per tile: 7 + 7 + 6,
  * not 8 + 8 + 4), so no tile is left mostly empty. (Running the tiles over slices of k that stay
- * in L1, so the weight streams only once, measured no faster at 9-128 rows.) */
+ * in L1, so the weight streams only once, was no faster.) */
 static void panel_rows(float *out, int64_t n, const float *x, int64_t x_stride, const float *panel,
                        int64_t rows, int64_t k, int64_t cols, const float *bias) {
     int64_t tiles = (rows + PS_TILE_ROWS - 1) / PS_TILE_ROWS;

@@ -52,8 +52,8 @@ static inline __m512i broadcast_pair(const uint16_t *p) {
         _mm512_add_ps(c##r##2, bias2)}, cols);
 
 /* Row `offset` (in elements) of out, from three vectors of fp32 sums; the first `cols` columns,
- * stored straight from the registers (a copy through a buffer per row measured ~2.5 % of a
- * batch-64 bf16 decode step). */
+ * stored straight from the registers (a copy through a buffer per row cost a visible share of a
+ * bf16 decode step). */
 static inline __attribute__((always_inline)) void store_row(void *out, int out_bf16, int64_t offset,
                                                             const __m512 *v, int64_t cols) {
     for (int j = 0; j < 3; j++) {
@@ -70,8 +70,8 @@ static inline __attribute__((always_inline)) void store_row(void *out, int out_b
 
 /* The widening variant's inner step: the same packed pairs, each split into its even-k and odd-k
  * columns as fp32 (a shift, a mask), then fp32 FMAs with fp32 activations. Where vdpbf16ps issues
- * at a quarter of the FMA rate (measured on this Xeon: 1.0 ns vs 0.28 ns per instruction, so half
- * the multiply-adds per second) this keeps fp32's compute speed with bf16's weight bytes. */
+ * slowly enough to give fewer multiply-adds per second than FMAs (some CPUs issue it at a quarter
+ * of their rate), this keeps fp32's compute speed with bf16's weight bytes. */
 #define BW_ROW_FMA(r)                                                                       \
     if (mr > r) {                                                                           \
         const float *xr = (const float *)x + r * x_stride + 2 * i;                          \

@@ -70,10 +70,8 @@ static inline __attribute__((always_inline)) qivec qv_bytes(const uint8_t *p) {
 #define Q_PANEL (QV * Q_VECS)
 /* Up to Q_DIRECT_ROWS rows the panel is dequantized in registers, in tiles of Q_DIRECT_TILE rows
  * (what fits the registers beside the widened weights); beyond, through the scratch panel. Both
- * read the same packed bytes. Measured on one GEMM of 3072 x 576 (int4 and int8, group 32,
- * weights in cache), 1 thread: AVX-512 8-row tiles at 1-16 rows beat 4-row ones at 6-8 rows by
- * 1.9x and the scratch path at 6-16 rows by 1.05-2x; AVX2 6-row tiles tie 4-row ones and beat the
- * scratch path up to 8 rows. */
+ * read the same packed bytes. The defaults are the largest tiles and row counts where the direct
+ * path still beat smaller tiles and the scratch path (bench/quant_gemm.py). */
 #if QV == 16
 #define Q_DIRECT_DEFAULT_ROWS 16
 #define Q_DIRECT_DEFAULT_TILE 8
@@ -87,10 +85,8 @@ static inline __attribute__((always_inline)) qivec qv_bytes(const uint8_t *p) {
 #ifndef Q_DIRECT_TILE
 #define Q_DIRECT_TILE Q_DIRECT_DEFAULT_TILE
 #endif
-/* bf16 rows on AVX512-BF16 take the direct path's pairs (gemm_q_direct.c) up to this many rows:
- * measured on a 2-core Zen 4, 1 thread, the default model's 30 layers and head per step (int4
- * and int8), alternating in one process, it beats the bf16 pair panels at 17-32 rows (41 against
- * 59 ms at 17, 73 against 81 at 32) and ties them at 48. */
+/* bf16 rows on AVX512-BF16 take the direct path's pairs (gemm_q_direct.c) up to this many rows,
+ * where it still beats the bf16 pair panels (bench/quant_gemm.py --dtype bfloat16). */
 #ifndef Q_DIRECT_PAIR_ROWS
 #define Q_DIRECT_PAIR_ROWS (Q_DIRECT_ROWS > 32 ? Q_DIRECT_ROWS : 32)
 #endif

@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void direct_rows(
                                 group_size, block, b, mr_, cols, bias)
 
 /* One function per bits (and the scratch path's its own, in gemm_q.c): inlined into one function,
- * GCC's register allocation of the scratch tile suffered (measured 2x slower at 64 rows). */
+ * GCC's register allocation of the scratch tile suffered, and so did its speed. */
 void psq_direct_tile4(
     void *out, int out_bf16, int64_t out_stride, const float *x, int64_t x_stride,
     const float *xsum, const uint8_t *weights, const float *so, int64_t k, int64_t group_size,
@@ -139,9 +139,8 @@ void psq_direct_tile8(
  * of its 16 columns side by side in one 32-bit lane) and meets a row's broadcast pair of x in one
  * vdpbf16ps: half the multiply instructions of the fp32 FMAs above, and the same products, exact
  * (the values are integers below 256, which bf16 holds; x is bf16 already), summed in fp32. Past a
- * row or two the FMAs, not the bytes, set a decode step's pace: measured on a 2-core Zen 4, 1
- * thread, the default model's 30 int4 layers and int8 head (bench/quant_gemm.py --dtype bfloat16),
- * 16 rows 46 -> 30-32 ms, 8 rows 23-25 -> 16, 4 rows 14 -> 9-11, 1 row 7-7.6 -> 6.2-6.4. */
+ * row or two the FMAs, not the bytes, set a decode step's pace, so halving them pays
+ * (bench/quant_gemm.py --dtype bfloat16 measures it). */
 
 /* 4 bits: a byte holds both values of a pair, so its low nibble goes to the lane's low 16 bits, its
  * high one to the high 16 bits ((v | v << 12) & 0x000F000F), and a lookup of 16 bf16 values turns
@@ -240,7 +239,7 @@ void psq_direct_pair_tile8(
  * group, or for groups over Q_FOLD_MAX (per-channel ones) the largest divisor of it up to that
  * (even for 4 bits). s * sum(x q) + o * sum(x) over a long group of activations with a large mean
  * cancels in its two terms: folding every 64 values keeps the error within ~1e-6 of the output's
- * scale (measured 6e-5 at groups of 1536 folded once). */
+ * scale, where a long group folded once does not. */
 #define Q_FOLD_MAX 64
 int64_t psq_fold_block(int64_t group_size, int bits) {
     if (group_size <= Q_FOLD_MAX) return group_size;

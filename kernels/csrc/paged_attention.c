@@ -2,27 +2,24 @@
  * spec. Memory-bound: every K and V row of a sequence's context is read exactly once, by the one
  * task that owns that (sequence, KV heads) pair, for all the query heads sharing those KV heads.
  *
- * Measured on a 2-core Zen 3 (AVX2), 64 sequences x 300 tokens, 1 thread: a task per sequence
- * covering all its KV heads streams whole cache rows and reaches ~12 GB/s, against ~9.5 GB/s for a
- * task per (sequence, KV head) reading a third of each row; the latter is kept for batches too
- * small to keep every thread busy. Prefetching the next block while reading one is worth ~1.3x:
- * blocks sit at random addresses, so the hardware prefetcher restarts at each. */
+ * A task per sequence covering all its KV heads streams whole cache rows, faster than a task per
+ * (sequence, KV head) reading part of each row; the latter is kept for batches too small to keep
+ * every thread busy. The next block is prefetched while one is read: blocks sit at random
+ * addresses, so the hardware prefetcher restarts at each (bench/kernels.py --cpu times both). */
 #include <stdlib.h>
 
 #include "common.h"
 
-/* Prefetches `bytes` of a cache row, a line at a time, into L2. Into L1 (prefetcht0), the lines in
- * flight were capped by L1's miss buffers: measured on Zen 4, 2 threads, fp32 caches, 64 sequences,
- * a layer: 512 positions 2.55-2.68 -> 1.66 ms (~19 -> 30 GB/s; a plain in-order read: ~33),
- * 2,048 positions 11.5-12.0 -> 8.3, 300 positions 1.35-1.41 -> 0.93; prefetcht1 in between,
- * prefetchnta no better than L1. */
+/* Prefetches `bytes` of a cache row, a line at a time, into L2: into L1 (prefetcht0), the lines in
+ * flight are capped by L1's miss buffers, while into L2 the reads come near a plain in-order read's
+ * speed. */
 static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) PS_PREFETCH_L2(row + c);
 }
 
 /* The task's `len` elements of a cache row as fp32: the row itself (fp32 cache), or widened once
  * into `buffer` (bf16 cache), so the group query heads sharing a KV head reuse one conversion:
- * widening inside the dot loops, once per query head, measured 1.3-1.7x slower than fp32. */
+ * widening inside the dot loops, once per query head, made bf16 caches slower than fp32 ones. */
 static inline __attribute__((always_inline)) const float *row_fp32(const char *row, int64_t len,
                                                                    float *restrict buffer,
                                                                    const int kv_bf16) {
@@ -131,8 +128,7 @@ static inline __attribute__((always_inline)) void attend(
 
 /* The tiled form of attend(), in AVX-512 or AVX2, for head dims in whole vectors (attend_any).
  * The loop above spends most of its time on a horizontal sum per (position, query head) and on
- * output rows kept in memory (measured on Zen 5, 64 sequences x 96 positions, 1 thread: ~26
- * cycles per position and query head). Here a KV head's row segment is loaded (widened) once per
+ * output rows kept in memory. Here a KV head's row segment is loaded (widened) once per
  * position for up to three query heads; q . k is summed for eight positions at a time in
  * registers (AVX2: two sets of four) and reduced by one transpose; p . v accumulates in registers
  * over a tile of positions (AVX2: four vectors of the head at a time). Sums are fp32 as in the
@@ -142,15 +138,12 @@ static inline __attribute__((always_inline)) void attend(
  * addresses, so this waits on memory unless told what comes next. Positions go by in tiles of
  * PS_TILE, each tile's rows read for every KV head while they are in L1, and the rows
  * PS_AHEAD_BYTES on are prefetched meanwhile, a few per KV head so that the requests spread over
- * the tile's work. Measured on Zen 5, 2 threads, 30 layers' bf16 caches, alternating, us a layer
- * before (KV heads outer, each walking its part of every row, 8 rows prefetched) -> after:
- * 64 sequences x 96 positions 367 -> 208 (reading the same bytes in order alone: 140-170),
- * 64 x 512 1286 -> 943, 16 x 128 114 -> 57, 4 x 1024 273 -> 128, 1 x 2048 93 -> 77; fp32
- * caches 1.2x. */
+ * the tile's work. This beat walking the KV heads outermost, each over its part of every row, at
+ * every batch and context size (bench/kernels.py --cpu). */
 #define PS_GROUP_CHUNK 3
 #define PS_TILE 8 /* scores_tile's positions */
 /* How far ahead rows are prefetched, in bytes of the task's rows: ~16 rows of three bf16 KV heads
- * of 64, 64 rows of one (measured best of 8-64 rows, either way). */
+ * of 64, 64 rows of one (the best of the distances tried, for either). */
 #define PS_AHEAD_BYTES 8192
 
 #if defined(__AVX512F__)
@@ -378,8 +371,8 @@ static inline __attribute__((always_inline)) void attend_tiled(
 }
 #endif
 
-/* A constant head_dim lets the compiler unroll the head_dim loops completely: 1.2-1.3x measured
- * on contexts that fit in cache, where arithmetic rather than memory sets the pace. */
+/* A constant head_dim lets the compiler unroll the head_dim loops completely, which pays on
+ * contexts that fit in cache, where arithmetic rather than memory sets the pace. */
 #define PS_ATTEND(dim, bf16)                                                                \
     attend(out, q, k, v, table, first, seq_len, block_size, row_stride, kv_heads, group, dim, \
            scale, soft_cap, scores, row32, bf16)
@@ -398,9 +391,8 @@ static void attend_any(float *out, const float *q, const void *k, const void *v,
         if (kv_bf16) PS_ATTEND_TILED(nv, 1); else PS_ATTEND_TILED(nv, 0);                       \
         return;
     /* Head dims in whole vectors (AVX-512: 16-128, a tiny model's 32, Phi-2's 80, Phi-3's 96;
-     * AVX2: the same but 112), nv a constant in each for the compiler to unroll. Measured on Zen
-     * 4, 1 thread, fp32 caches, 64 sequences x 300 positions, against the loop above: AVX-512,
-     * head_dim 32 (3 query heads a KV head) 1.26 -> 0.61 ms, 96 (32 heads, MHA) 36.8 -> 27.9. */
+     * AVX2: the same but 112), nv a constant in each for the compiler to unroll: faster than the
+     * loop above for GQA and MHA heads alike. */
     if (head_dim % PS_LANES == 0) {
         switch (head_dim / PS_LANES) {
 #if PS_LANES == 16

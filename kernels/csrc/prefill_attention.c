@@ -1,19 +1,17 @@
 /* Prefill attention (query_len > 1) read in place from the paged KV cache; kernels/reference.py is
  * the spec: causal, query i of a sequence of seq_len positions sits at position
  * seq_len - query_len + i, GQA. Unlike decode it is compute-bound: torch's CPU SDPA, which the
- * torch path calls a sequence at a time after gathering its blocks, measured 50-108 GFLOP/s on a
- * 2-core Zen 5 (9/3 heads of 64, 140-1,000 tokens, fp32 or bf16), under a tenth of the bf16 GEMM's
- * rate, so at 1,000 tokens it took longer than all of the model's projections.
+ * torch path calls a sequence at a time after gathering its blocks, runs at a small fraction of
+ * the GEMMs' rate, so on long prompts it took longer than all of the model's projections.
  *
  * Flash-attention order. A task owns a (sequence, KV head, tile of query positions); its rows are
  * the tile's positions times the query heads sharing that KV head, so every K and V row it reads
  * serves them all. Keys go by in chunks of 64 positions, widened to fp32 once per task (K
  * transposed, so one vector holds 16 of a row's scores); scores and p.v are small matrix products
  * whose accumulators stay in registers; the softmax runs online (a running max and sum per row).
- * Arithmetic is fp32 throughout, as in the spec, in another order (float rounding apart).
- * Measured on the same CPU and shapes: 125-215 GFLOP/s fp32, 140-240 with a bf16 cache (head dims
- * 64 and 128), 1.8-2.9x SDPA at head dim 64; chunks of 16 keys were 20-30 % slower (the per-row
- * softmax work is per chunk). On AVX512-BF16, bf16 queries over a bf16 cache take
+ * Arithmetic is fp32 throughout, as in the spec, in another order (float rounding apart). Chunks
+ * of 64 keys rather than 16 because the per-row softmax work is per chunk (bench/kernels.py --cpu
+ * times this against SDPA). On AVX512-BF16, bf16 queries over a bf16 cache take
  * attend_tile_bf16, whose scores come from the bf16 values without widening. */
 #include <math.h>
 #include <stdlib.h>
@@ -211,10 +209,8 @@ static inline __attribute__((always_inline)) void scores_bf16(float *restrict c,
 
 /* attend_tile for bf16 queries over a bf16 cache: the scores by vdpbf16ps straight from the bf16
  * values (their products are exact in fp32, as in the spec; only the order of the fp32 sums
- * differs), p.v as in attend_tile. No query or key is widened. Measured on a 2-core Zen 5 with the
- * default model's heads (9 / 3 of 64): 1.24-1.25x attend_tile for 8 fresh prompts of 128 tokens, a
- * fresh one of 1,024, and two chunks of 512 on 1,024 cached (kept in fp32, p.v measured no faster
- * in bf16 on short prompts, and rounding the probabilities to bf16 left the spec's tolerance). */
+ * differs), p.v as in attend_tile, faster than widening the keys. p.v stays fp32: bf16 was no
+ * faster on short prompts, and rounding the probabilities to bf16 left the spec's tolerance. */
 static inline __attribute__((always_inline)) void attend_tile_bf16(
     char *out, int64_t o_stride, const char *q, int64_t q_stride, const char *k, const char *v,
     const int32_t *table, int64_t context, int64_t first, int64_t count, int64_t block_size,

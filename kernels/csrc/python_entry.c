@@ -1,9 +1,9 @@
 /* The kernels as a CPython extension module (pagedserve_cpu), compiled into the same library where
  * Python's headers are found (kernels/native.py defines PS_PYTHON_ENTRY then): METH_FASTCALL
  * functions of the kernels' own names and arguments, which kernels/native.py calls in place of the
- * ctypes ones. ctypes converts every argument through its argtypes: measured ~1.3 us a call of 14
- * integers against ~0.1 us here (Zen 5), and a decode step makes ~9 kernel calls a layer: ~270
- * calls, ~0.3 ms of the default model's ~6.5 ms batch-1 step, went to converting arguments.
+ * ctypes ones. ctypes converts every argument through its argtypes, at many times the cost of a
+ * call through these, and a decode step makes about nine kernel calls a layer, so a visible share
+ * of a batch-1 step went to converting arguments (bench/native_calls.py measures it).
  *
  * Each function's argument letters (SIGNATURES, which kernels/native.py checks against its ctypes
  * declarations) say how each Python argument converts: p a pointer (an int, or None for NULL),

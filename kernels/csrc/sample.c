@@ -5,11 +5,10 @@
  * taken: the sum must grow past the target.
  *
  * Why: the exponential race it replaces (argmax of probs / q, q = -log U, one uniform per vocab
- * entry) costs a random number and a log per entry: on 32 rows of 49,152 fp32 logits at 2 threads
- * (Zen 4) torch's uniform_ took 4.6 ms and log_ 4.8 ms; with softmax, divide and argmax, a batch-32
- * decode step of the default model took 44-45 ms sampling, 35-37 ms greedy. Here each row is read
- * twice, both passes vectorised: its max, then its exps in blocks (their sums kept); the walk finds
- * the block in the block sums and recomputes only that block's exps: 0.8 ms on the same rows.
+ * entry) costs a random number and a log per entry, which made a sampling decode step much slower
+ * than a greedy one. Here each row is read twice, both passes vectorised: its max, then its exps
+ * in blocks (their sums kept); the walk finds the block in the block sums and recomputes only that
+ * block's exps (bench/sampler.py times the two).
  *
  * Sums run in double across blocks (a block's 64 exps in float), so u keeps 53 bits: a token of
  * probability 1e-9 is still drawn at its rate. Where rounding leaves the target unreached after

@@ -5,13 +5,13 @@ The catalogue: one file per family whose layer shape differs, the shared pieces 
 """
 from __future__ import annotations
 
-from replicas.models.bert import BertModel
-from replicas.models.gemma import GemmaForCausalLM
-from replicas.models.gpt2 import GPT2LMHeadModel
-from replicas.models.gpt_neox import GPTNeoXForCausalLM
-from replicas.models.llama import LlamaForCausalLM
-from replicas.models.mixtral import MixtralForCausalLM
-from replicas.models.opt import OPTForCausalLM
+from pagedserve.replicas.models.bert import BertModel
+from pagedserve.replicas.models.gemma import GemmaForCausalLM
+from pagedserve.replicas.models.gpt2 import GPT2LMHeadModel
+from pagedserve.replicas.models.gpt_neox import GPTNeoXForCausalLM
+from pagedserve.replicas.models.llama import LlamaForCausalLM
+from pagedserve.replicas.models.mixtral import MixtralForCausalLM
+from pagedserve.replicas.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,7 +25,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
-    # Encoders (embedding models): replicas/embedding_model.py lists the architectures it serves.
+    # Encoders (embedding models): replicas/model_files/embedding_model.py lists the architectures it serves.
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
     "BertForPreTraining": BertModel,

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
-from kernels.metadata import AttentionMetadata
-from replicas.models.layers import Linear, RMSNorm
-from kernels.rotary import apply_rotary
-from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import kv_heads_per_rank
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.replicas.models.layers import Linear, RMSNorm
+from pagedserve.kernels.rotary import apply_rotary
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.sharding import kv_heads_per_rank
 
 
 def layer_windows(config) -> list[int | None]:

@@ -12,8 +12,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from kernels import cpu_features
-from replicas.models.layers import Embedding, LayerNorm, Linear, activation
+from pagedserve.kernels import cpu_features
+from pagedserve.replicas.models.layers import Embedding, LayerNorm, Linear, activation
 
 # Tensors of BERT checkpoints that an encoder does not use (the MLM / NSP heads, the [CLS] pooler
 # of BertModel, a saved position-ids buffer).
@@ -26,11 +26,9 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_sta
     """q, k, v [T, heads, head_dim] of packed sequences -> [T, heads * head_dim].
 
     Per sequence, over its own rows (no mask, no padding): scores by one batched GEMM over the
-    heads, softmax, then a GEMM with v. Measured for one all-MiniLM-L6-v2 layer's attention, 32
-    sequences, 1 thread, on a busy 2-core Xeon (alternating runs): one SDPA call per sequence took
-    1.2-1.3x as long at 8-150 tokens, 1.1x at 100-256 (its flash kernel's blocking does not pay at
-    these lengths); before that, SDPA per sequence beat one padded [32, L_max] SDPA call with a key
-    mask (14-22 ms against 19-45) and, by 10x, one call with a block-diagonal mask over the batch.
+    heads, softmax, then a GEMM with v. At encoder lengths this beats one SDPA call per sequence
+    (its flash kernel's blocking does not pay there), which in turn beats one padded SDPA call with
+    a key mask and, by far, one call with a block-diagonal mask over the batch.
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -100,12 +98,9 @@ class BertModel(nn.Module):
 
     def pack_weights(self) -> None:
         """Packs the projections for the native GEMM, except fp32 ones on Intel CPUs, where torch's
-        own GEMM (MKL) runs an encoder's whole batches of texts (thousands of rows) faster.
-        Measured on all-MiniLM-L6-v2, batches of 32 texts (~2,240 rows), 1 thread, alternating:
-        2-core Xeon: MKL 1.2-1.3x faster at the K=384 projections, 0.9x at K=1536, the whole
-        forward 10 % less time; 2-core Zen 4: native 1.2-1.7x faster at every projection (~95-105
-        GFLOP/s against 55-85 for MKL, which runs its `zen` sgemm kernel there), the whole
-        offline embed 1.15x the texts/s (6 alternating rounds)."""
+        own GEMM (MKL) runs an encoder's whole batches of texts (thousands of rows) faster; on
+        other CPUs MKL runs a generic kernel and the native GEMM is the faster
+        (bench/embeddings.py times the whole embed)."""
         mkl_fp32 = cpu_features.cpu_vendor() == "GenuineIntel"
         for module in self.modules():
             if isinstance(module, Linear) and (not mkl_fp32 or module.weight.dtype != torch.float32

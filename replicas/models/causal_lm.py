@@ -14,15 +14,19 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from kernels import cpu_linear
-from kernels.backend import AttentionBackend, get_attention_backend
-from kernels.metadata import AttentionMetadata, kv_cache_shape
-from kernels.quantized import QuantWeight
-from replicas.models.attention import layer_windows
-from replicas.models.layers import Embedding, Linear, materialize, pack_quantized, quantized_linear
-from replicas.models.rotary import RotaryEmbedding
-from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import MIN_SHARD_GROUP, Shard, kv_heads_per_rank, read_shard
+from pagedserve.kernels import cpu_linear
+from pagedserve.kernels.backend import AttentionBackend, get_attention_backend
+from pagedserve.kernels.metadata import AttentionMetadata, kv_cache_shape
+from pagedserve.kernels.quantized import QuantWeight
+from pagedserve.replicas.models.attention import layer_windows
+from pagedserve.replicas.models.layers import (
+    Embedding, Linear, materialize, pack_quantized, quantized_linear,
+)
+from pagedserve.replicas.models.rotary import RotaryEmbedding
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.sharding import (
+    MIN_SHARD_GROUP, Shard, kv_heads_per_rank, read_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +126,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] in the model's dtype (under tensor parallelism: on rank 0,
         None elsewhere). Consumers widen what they compute on; greedy rows need only the argmax,
-        which a bf16 row gives unwidened (widening keeps the order): the widening of a batch-64
-        step's logits cost ~0.5-0.9 ms, as much as the native argmax itself."""
+        which a bf16 row gives unwidened (widening keeps the order): widening a step's logits
+        cost as much as the native argmax itself."""
         if self.tied_lm_head_quantized:
             logits = quantized_linear(hidden, self.tied_lm_head_packed)
         elif self.tie_word_embeddings:

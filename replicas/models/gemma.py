@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
-from replicas.models.attention import Attention, layer_windows
-from replicas.models.causal_lm import head_dim_of
-from replicas.models.layers import RMSNorm
-from replicas.models.llama import LlamaForCausalLM
-from replicas.models.mlp import GatedMLP
-from replicas.models.rotary import RotaryEmbedding
-from replicas.parallel.layers import vocab_embedding
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.replicas.models.attention import Attention, layer_windows
+from pagedserve.replicas.models.causal_lm import head_dim_of
+from pagedserve.replicas.models.layers import RMSNorm
+from pagedserve.replicas.models.llama import LlamaForCausalLM
+from pagedserve.replicas.models.mlp import GatedMLP
+from pagedserve.replicas.models.rotary import RotaryEmbedding
+from pagedserve.replicas.parallel.layers import vocab_embedding
 
 def _is_gemma3(config) -> bool:
     return config.model_type.startswith("gemma3")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
-from replicas.models.attention import Attention
-from replicas.models.causal_lm import CausalLM
-from replicas.models.layers import Embedding, LayerNorm
-from replicas.models.mlp import MLP
-from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard, row_parallel
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.replicas.models.attention import Attention
+from pagedserve.replicas.models.causal_lm import CausalLM
+from pagedserve.replicas.models.layers import Embedding, LayerNorm
+from pagedserve.replicas.models.mlp import MLP
+from pagedserve.replicas.parallel.layers import vocab_embedding
+from pagedserve.replicas.parallel.sharding import Shard, row_parallel
 
 # Our module -> GPT-2's, inside a block (h.N.).
 _NAMES = {"attn.qkv_proj": "attn.c_attn", "attn.o_proj": "attn.c_proj",

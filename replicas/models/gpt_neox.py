@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
-from replicas.models.attention import Attention
-from replicas.models.causal_lm import CausalLM
-from replicas.models.layers import LayerNorm
-from replicas.models.mlp import MLP
-from replicas.models.rotary import RotaryEmbedding
-from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard, row_parallel
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.replicas.models.attention import Attention
+from pagedserve.replicas.models.causal_lm import CausalLM
+from pagedserve.replicas.models.layers import LayerNorm
+from pagedserve.replicas.models.mlp import MLP
+from pagedserve.replicas.models.rotary import RotaryEmbedding
+from pagedserve.replicas.parallel.layers import vocab_embedding
+from pagedserve.replicas.parallel.sharding import Shard, row_parallel
 
 # Our module -> GPT-NeoX's, inside a layer.
 _NAMES = {"attention.qkv_proj": "attention.query_key_value", "attention.o_proj": "attention.dense",

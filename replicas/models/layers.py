@@ -1,7 +1,7 @@
 """The building blocks every model file shares: projections on packed CPU weights, embeddings,
 norms and activations. Parameters are allocated empty; load_weights fills each of them.
 
-A quantized checkpoint's projections and embeddings arrive as kernels.quantized.QuantWeight
+A quantized checkpoint's projections and embeddings arrive as pagedserve.kernels.quantized.QuantWeight
 parts instead of dense tensors. So that they never cost the dense bytes, a model built under
 `deferred_weights()` gives every projection and embedding a weight on the meta device (a shape,
 no storage), materialised only if the checkpoint holds that weight dense after all.
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear, norm_act, quant_linear
-from kernels.quantized import QuantWeight, cat_rows, share_input_order
-from kernels.reference import dequantize_weight
+from pagedserve.kernels import cpu_linear, norm_act, quant_linear
+from pagedserve.kernels.quantized import QuantWeight, cat_rows, share_input_order
+from pagedserve.kernels.reference import dequantize_weight
 
 _deferred = contextvars.ContextVar("deferred_weights", default=False)
 
@@ -79,7 +79,7 @@ class QuantParts:
 def pack_quantized(weight: QuantWeight, device: torch.device):
     """A QuantWeight packed for the kernel of its device: csrc/gemm_q.c on CPU, Triton on CUDA."""
     if device.type == "cuda":
-        from kernels import triton_quant
+        from pagedserve.kernels import triton_quant
         return triton_quant.pack(weight, device)
     return quant_linear.pack(weight)
 
@@ -87,7 +87,7 @@ def pack_quantized(weight: QuantWeight, device: torch.device):
 def quantized_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(packed, quant_linear.PackedQuant):
         return quant_linear.linear(x, packed, bias)
-    from kernels import triton_quant
+    from pagedserve.kernels import triton_quant
     return triton_quant.linear(x, packed, bias)
 
 

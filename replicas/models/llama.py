@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import norm_act
-from kernels.backend import AttentionBackend
-from kernels.decoder_layers import DecoderStack, LayerWeights, Projection
-from replicas.models.attention import Attention
-from replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
-from replicas.models.layers import Linear, RMSNorm
-from replicas.models.mlp import GatedMLP
-from replicas.models.rotary import RotaryEmbedding
-from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard, kv_head_start, row_parallel
+from pagedserve.kernels import norm_act
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.kernels.decoder_layers import DecoderStack, LayerWeights, Projection
+from pagedserve.replicas.models.attention import Attention
+from pagedserve.replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
+from pagedserve.replicas.models.layers import Linear, RMSNorm
+from pagedserve.replicas.models.mlp import GatedMLP
+from pagedserve.replicas.models.rotary import RotaryEmbedding
+from pagedserve.replicas.parallel.layers import vocab_embedding
+from pagedserve.replicas.parallel.sharding import Shard, kv_head_start, row_parallel
 
 
 def llama_attention(config, layer: int, window: int | None, backend: AttentionBackend,

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_linear, native_linear
-from replicas.models.causal_lm import split_rows
-from replicas.models.layers import Linear
-from replicas.models.llama import LlamaForCausalLM
-from replicas.models.mlp import GatedMLP
-from replicas.parallel import state as parallel_state
+from pagedserve.kernels import cpu_linear, native_linear
+from pagedserve.replicas.models.causal_lm import split_rows
+from pagedserve.replicas.models.layers import Linear
+from pagedserve.replicas.models.llama import LlamaForCausalLM
+from pagedserve.replicas.models.mlp import GatedMLP
+from pagedserve.replicas.parallel import state as parallel_state
 
 
 class SparseMoE(nn.Module):

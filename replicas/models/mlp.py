@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replicas.models.layers import Linear, act_and_mul, activation
-from replicas.parallel import state as parallel_state
+from pagedserve.replicas.models.layers import Linear, act_and_mul, activation
+from pagedserve.replicas.parallel import state as parallel_state
 
 
 class GatedMLP(nn.Module):

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import AttentionBackend
-from replicas.models.attention import Attention
-from replicas.models.causal_lm import CausalLM, split_rows
-from replicas.models.layers import Embedding, LayerNorm, Linear, activation
-from replicas.parallel import state as parallel_state
-from replicas.parallel.layers import vocab_embedding
-from replicas.parallel.sharding import Shard, row_parallel
+from pagedserve.kernels.backend import AttentionBackend
+from pagedserve.replicas.models.attention import Attention
+from pagedserve.replicas.models.causal_lm import CausalLM, split_rows
+from pagedserve.replicas.models.layers import Embedding, LayerNorm, Linear, activation
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.layers import vocab_embedding
+from pagedserve.replicas.parallel.sharding import Shard, row_parallel
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at row 2 (fairseq's padding legacy)
 

@@ -14,8 +14,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 def rope_parameters(config, layer_type: str | None = None) -> dict:
     """rope_theta, rope_type and the scaling fields, from either config generation.
 
-    transformers 5 keeps everything under `config.rope_parameters` (per layer type for Gemma 3);
-    4.x has `config.rope_theta` and an optional `config.rope_scaling` dict whose type key is
+    Newer transformers keep everything under `config.rope_parameters` (per layer type for Gemma 3);
+    older ones have `config.rope_theta` and an optional `config.rope_scaling` dict whose type key is
     `rope_type` or the older `type`, and GPT-NeoX's `rotary_pct`.
     """
     params = getattr(config, "rope_parameters", None)
@@ -25,7 +25,7 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     if layer_type is not None and isinstance(params.get(layer_type), dict):
         params = dict(params[layer_type])
     elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
-        params = {"rope_theta": config.rope_local_base_freq}  # Gemma 3 under transformers 4
+        params = {"rope_theta": config.rope_local_base_freq}  # Gemma 3 under older transformers
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if params["rope_type"] in ("su", "yarn") and getattr(config, "model_type", None) == "phi3":

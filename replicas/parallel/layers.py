@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from replicas.models.layers import Embedding
-from replicas.parallel import state as parallel_state
+from pagedserve.replicas.models.layers import Embedding
+from pagedserve.replicas.parallel import state as parallel_state
 
 
 class VocabParallelEmbedding(Embedding):

@@ -7,7 +7,7 @@ share of the intermediate rows), o_proj and down_proj row-parallel (its share of
 columns; their outputs are summed by one all-reduce each), the embedding and the lm_head split by
 vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on tp / kv ranks.
 
-Quantized weights (kernels.quantized.QuantWeight, whatever their format) shard the same way: rows
+Quantized weights (pagedserve.kernels.quantized.QuantWeight, whatever their format) shard the same way: rows
 exactly, columns by QuantWeight.columns, which splits a group the rank's range cuts into finer
 groups. Where those would be finer than MIN_SHARD_GROUP the shard is dequantized instead (see
 quant_shard).
@@ -47,7 +47,7 @@ def read_shard(source, shard: Shard | None):
     rank's part where its format allows)."""
     import torch
 
-    from kernels.quantized import QuantWeight
+    from pagedserve.kernels.quantized import QuantWeight
     if hasattr(source, "read_shard"):
         return source.read_shard(shard)
     if isinstance(source, QuantWeight):
@@ -67,8 +67,8 @@ def quant_shard(weight, shard: Shard | None):
     """A QuantWeight's rows or columns for this rank: a QuantWeight holding its own storage, or,
     where a column range cuts its groups into pieces finer than MIN_SHARD_GROUP, the exact float32
     value of the shard (the caller loads it dense, and says so)."""
-    from kernels.quantized import cat_rows
-    from kernels.reference import dequantize_weight
+    from pagedserve.kernels.quantized import cat_rows
+    from pagedserve.kernels.reference import dequantize_weight
     if shard is None:
         return weight
     if shard.zeros:

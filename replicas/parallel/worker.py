@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class TensorParallelWorker:
     def run(self) -> None:
         import torch.distributed as dist
 
-        from kernels import kv_cache_shape
-        from replicas.config import EngineConfig
-        from replicas.model_loader import DTYPES, load_model
-        from replicas.parallel import state as parallel_state
+        from pagedserve.kernels.metadata import kv_cache_shape
+        from pagedserve.replicas.config import EngineConfig
+        from pagedserve.replicas.models.loader import DTYPES, load_model
+        from pagedserve.replicas.parallel import state as parallel_state
 
         config = EngineConfig.model_validate(self.config)
         device = self._device(config)
@@ -113,7 +113,7 @@ class TensorParallelWorker:
                 dist.destroy_process_group()
 
     def _device(self, config) -> torch.device:
-        from replicas.model_loader import resolve_device
+        from pagedserve.replicas.models.loader import resolve_device
         device = resolve_device(config.device)
         if device.type == "cuda":  # a Ray actor sees its own GPU as 0; a local process its rank's
             index = 0 if torch.cuda.device_count() == 1 else self.rank

@@ -1,5 +1,5 @@
 """Quantized checkpoints as they are on disk -> HF-named tensors, each quantized linear weight one
-kernels.quantized.QuantWeight.
+pagedserve.kernels.quantized.QuantWeight.
 
     method = quantization_of(model_path_or_config)   # "gguf", "gptq", "awq", "compressed-tensors", None
     checkpoint = read_gguf(path)                     # GGUF: config, tensors(), tokenizer_dir()
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from replicas.default_model import is_gguf
+from pagedserve.replicas.model_files.default_model import is_gguf
 
 GGUF = "gguf"
 SAFETENSORS_METHODS = ("gptq", "awq", "compressed-tensors")
@@ -57,21 +57,21 @@ def quantized_tensors(method: str, hf_config, named_tensors: Iterable, lazy: boo
     part (module_pieces.py)."""
     config = quantization_config_of(hf_config) or {}
     if method == "gptq":
-        from replicas.quant.gptq import gptq_tensors
+        from pagedserve.replicas.quant.gptq import gptq_tensors
         return gptq_tensors(config, named_tensors, lazy)
     if method == "awq":
-        from replicas.quant.awq import awq_tensors
+        from pagedserve.replicas.quant.awq import awq_tensors
         return awq_tensors(config, named_tensors, lazy)
     if method == "compressed-tensors":
-        from replicas.quant.compressed_tensors import compressed_tensors_tensors
+        from pagedserve.replicas.quant.compressed_tensors import compressed_tensors_tensors
         return compressed_tensors_tensors(config, named_tensors, lazy)
     raise ValueError(f"quantization method {method!r} has no safetensors reader: supported are "
                      f"{', '.join(SAFETENSORS_METHODS)} (GGUF files open with read_gguf)")
 
 
 def read_gguf(path):
-    """See replicas.quant.gguf_checkpoint.read_gguf."""
-    from replicas.quant.gguf_checkpoint import read_gguf as read
+    """See pagedserve.replicas.quant.gguf_checkpoint.read_gguf."""
+    from pagedserve.replicas.quant.gguf_checkpoint import read_gguf as read
     return read(path)
 
 

@@ -10,9 +10,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import (checked_groups, gather, quant_weight, read_ranges, shape_of,
-                                          suffix_piece, unpack_int32)
+from pagedserve.kernels.quantized import QuantWeight
+from pagedserve.replicas.quant.module_pieces import (
+    checked_groups, gather, quant_weight, read_ranges, shape_of, suffix_piece, unpack_int32,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 VERSIONS = ("gemm",)

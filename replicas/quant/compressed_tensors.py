@@ -18,8 +18,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.quantized import QuantWeight, pack_values
-from replicas.quant.module_pieces import act_order, gather, read, read_ranges, shape_of
+from pagedserve.kernels.quantized import QuantWeight, pack_values
+from pagedserve.replicas.quant.module_pieces import act_order, gather, read, read_ranges, shape_of
 
 PACKED, NAIVE = "pack-quantized", ("naive-quantized", "int-quantized")
 FORMATS = (PACKED, *NAIVE)

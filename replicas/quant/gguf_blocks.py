@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels.quantized import QuantWeight, pack_values
 
 
 def _split(raw: torch.Tensor, block_bytes: int, *sizes: int) -> list[torch.Tensor]:

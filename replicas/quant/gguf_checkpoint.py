@@ -15,11 +15,11 @@ from typing import Iterator
 
 import torch
 
-from kernels.quantized import QuantWeight
-from replicas.parallel.sharding import Shard, read_shard
-from replicas.quant import gguf_config
-from replicas.quant.gguf_blocks import DENSE, QUANTIZED, SUPPORTED_TYPES
-from replicas.quant.gguf_file import GGUFFile, type_name, type_sizes
+from pagedserve.kernels.quantized import QuantWeight
+from pagedserve.replicas.parallel.sharding import Shard, read_shard
+from pagedserve.replicas.quant import gguf_config
+from pagedserve.replicas.quant.gguf_blocks import DENSE, QUANTIZED, SUPPORTED_TYPES
+from pagedserve.replicas.quant.gguf_file import GGUFFile, type_name, type_sizes
 
 EMBEDDING = "token_embd.weight"
 ROPE_FREQS = "rope_freqs.weight"
@@ -93,7 +93,7 @@ class GGUFCheckpoint:
 
     def tokenizer_dir(self, cache_dir: str | Path | None = None) -> Path:
         """A folder holding the HF tokenizer built from this file's metadata (see gguf_tokenizer)."""
-        from replicas.quant.gguf_tokenizer import tokenizer_dir
+        from pagedserve.replicas.quant.gguf_tokenizer import tokenizer_dir
         return tokenizer_dir(self.path, cache_dir)
 
     def close(self) -> None:

@@ -139,7 +139,7 @@ def frequency_factors_scaling(factors: list[float], theta: float, head_dim: int,
     """rope_freqs.weight (per frequency, the divisor convert_hf_to_gguf writes for Llama 3.1-style
     rope) -> a rope_scaling giving the same frequencies: the llama3 fields that reproduce it, or
     else, exactly, longrope with these factors for every length and no attention scaling."""
-    from replicas.models.rotary import inverse_frequencies
+    from pagedserve.replicas.models.rotary import inverse_frequencies
 
     target = torch.tensor(factors, dtype=torch.float32)
     if torch.all(target == 1):

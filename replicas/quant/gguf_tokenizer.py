@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from replicas.default_model import cache_root
+from pagedserve.replicas.model_files.default_model import cache_root
 
 MARKER = ".pagedserve-gguf-tokenizer"
 
@@ -56,7 +56,7 @@ def tokenizer_dir(gguf_path: str | Path, cache_dir: str | Path | None = None) ->
 
 
 def _convert_in_child(path: Path, cache_dir: str | Path | None) -> None:
-    code = ("import sys, torch; from replicas.quant.gguf_tokenizer import tokenizer_dir; "
+    code = ("import sys, torch; from pagedserve.replicas.quant.gguf_tokenizer import tokenizer_dir; "
             "tokenizer_dir(sys.argv[1], sys.argv[2] or None)")
     done = subprocess.run([sys.executable, "-c", code, str(path), str(cache_dir or "")],
                           capture_output=True, text=True)

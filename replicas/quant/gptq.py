@@ -15,9 +15,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels.quantized import QuantWeight
-from replicas.quant.module_pieces import (act_order, checked_groups, gather, quant_weight, read,
-                                          read_ranges, shape_of, suffix_piece, unpack_int32)
+from pagedserve.kernels.quantized import QuantWeight
+from pagedserve.replicas.quant.module_pieces import (
+    act_order, checked_groups, gather, quant_weight, read, read_ranges, shape_of, suffix_piece,
+    unpack_int32,
+)
 
 BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from kernels.quantized import QuantWeight
+from pagedserve.kernels.quantized import QuantWeight
 
 # (name, tensor) -> (module, piece) when the tensor is a piece of a quantized weight, else None.
 PieceOf = Callable[[str, torch.Tensor], "tuple[str, str] | None"]
@@ -40,7 +40,7 @@ class QuantSource:
         self.module, self.parts, self.build, self.shard_pieces = module, parts, build, shard_pieces
 
     def read_shard(self, shard):
-        from replicas.parallel.sharding import read_shard
+        from pagedserve.replicas.parallel.sharding import read_shard
         pieces = None if shard is None or shard.zeros else self.shard_pieces(self.module, self.parts, shard)
         if pieces is not None:
             return self.build(self.module, pieces)
@@ -148,7 +148,7 @@ def quant_weight(values_kn: torch.Tensor, scales_gn: torch.Tensor, zeros_gn: tor
                  bits: int, group_size: int, perm: torch.Tensor | None) -> QuantWeight:
     """Input-major unsigned values [k, n] with W = (q - zero) * scale per (group, column) ->
     a QuantWeight (its offsets -zero * scale; columns stored in perm's order)."""
-    from kernels.quantized import pack_values
+    from pagedserve.kernels.quantized import pack_values
     if perm is not None:
         values_kn = values_kn[perm]
     scales = scales_gn.float().t().contiguous()

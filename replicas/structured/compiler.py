@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import llguidance.hf
 
-from replicas.sampling_params import ParamError, StructuredOutputsParams
+from pagedserve.replicas.core.sampling_params import ParamError, StructuredOutputsParams
 
 # No free whitespace in generated JSON: with it a grammar never has to end (a weak model pads
 # forever); these separators are json.dumps' defaults, so the output reads as usual.

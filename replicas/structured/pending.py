@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, wait
 
-from replicas.request import Request
-from replicas.sampling_params import ParamError
-from replicas.sequence import SequenceStatus
-from replicas.structured.matcher import GrammarMatcher
+from pagedserve.replicas.core.request import Request
+from pagedserve.replicas.core.sampling_params import ParamError
+from pagedserve.replicas.core.sequence import SequenceStatus
+from pagedserve.replicas.structured.matcher import GrammarMatcher
 
 
 def attach_grammar(request: Request) -> None:

@@ -5,19 +5,23 @@ generators send (`ignore_eos`, `repetition_penalty`, `top_k`, `min_p`, `min_toke
 `stream_options.continuous_usage_stats`, ...). The same models serve HTTP and Ray handles. One
 module per endpoint family; everything is importable from here.
 """
-from serve_app.protocol.chat import (AssistantMessage, ChatChoice, ChatCompletionRequest,
+from pagedserve.serve_app.protocol.chat import (AssistantMessage, ChatChoice, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatCompletionStreamResponse,
                                      ChatFinishReason, ChatMessage, ChatStreamChoice,
                                      ChoiceLogprobs, DeltaFunctionCall, DeltaMessage,
                                      DeltaToolCall, FunctionCall, TextPart, TokenLogprob, ToolCall,
                                      TopLogprob)
-from serve_app.protocol.common import (PromptTokensDetails, SamplingFields, StreamOptions, Usage,
-                                       random_id, response_format_params)
-from serve_app.protocol.completions import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                            CompletionResponse, CompletionStreamResponse, Prompt)
-from serve_app.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, ModelCard,
-                                         ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-                                         TokenizeRequest, TokenizeResponse)
+from pagedserve.serve_app.protocol.common import (
+    PromptTokensDetails, SamplingFields, StreamOptions, Usage, random_id, response_format_params,
+)
+from pagedserve.serve_app.protocol.completions import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    CompletionStreamResponse, Prompt,
+)
+from pagedserve.serve_app.protocol.tokenize import (
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
+    TokenizeCompletionRequest, TokenizeRequest, TokenizeResponse,
+)
 
 __all__ = [
     "AssistantMessage", "ChatChoice", "ChatCompletionRequest", "ChatCompletionResponse",

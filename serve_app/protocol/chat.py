@@ -7,9 +7,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from replicas.sampling_params import ParamError, StructuredOutputsParams
-from serve_app import tool_calls
-from serve_app.protocol.common import _Request, _Response, SamplingFields, Usage, random_id
+from pagedserve.replicas.core.sampling_params import ParamError, StructuredOutputsParams
+from pagedserve.serve_app import tool_calls
+from pagedserve.serve_app.protocol.common import (
+    _Request, _Response, SamplingFields, Usage, random_id,
+)
 
 
 class TextPart(_Request):

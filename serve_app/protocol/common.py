@@ -8,7 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replicas.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from pagedserve.replicas.core.sampling_params import (
+    ParamError, SamplingParams, StructuredOutputsParams,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -33,7 +35,7 @@ class SamplingFields(_Request):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)  # at most the max_n setting (serve_app.limits)
+    n: int = Field(1, ge=1)  # at most the max_n setting (pagedserve.serve_app.limits)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.protocol.common import _Response, SamplingFields, Usage, random_id
+from pagedserve.serve_app.protocol.common import _Response, SamplingFields, Usage, random_id
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]

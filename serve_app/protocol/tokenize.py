@@ -5,8 +5,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from serve_app.protocol.chat import ChatMessage
-from serve_app.protocol.common import _Request, _Response
+from pagedserve.serve_app.protocol.chat import ChatMessage
+from pagedserve.serve_app.protocol.common import _Request, _Response
 
 
 class ModelCard(_Response):

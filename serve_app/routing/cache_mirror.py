@@ -1,5 +1,5 @@
 """One replica's prefix cache as a router mirrors it: the cached block hashes, kept exact by
-applying the replica's KV-cache event stream (`replicas.kv_events`) in sequence order.
+applying the replica's KV-cache event stream (`pagedserve.replicas.core.kv_events`) in sequence order.
 
 Each report carries the numbered events of the last few seconds; the mirror applies those past the
 last one it applied. A mirror starts as a replica starts, empty before event 0, so a router that
@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                events_from, read_snapshot)
+from pagedserve.replicas.core.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, events_from, read_snapshot,
+)
 
 
 class MirrorListener(Protocol):

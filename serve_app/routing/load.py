@@ -17,7 +17,7 @@ reported arrivals (`send_weight`). That guess is right on average but noisy (a f
 second, each counting several times: a replica's load jumped by the weight at every send and every
 end, and the least of many such loads read far too low), so reports also come far more often
 than digests: every engine step whose outputs reach this ingress on a core's connection carries
-the replica's queue depth and arrivals (`serve_app.engine_client`), and its finished requests end
+the replica's queue depth and arrivals (`pagedserve.serve_app.engine_client`), and its finished requests end
 here first, as of that report. Whichever report is newest counts; an older one that arrives late
 is ignored.
 
@@ -32,8 +32,8 @@ was not expected to hold, from the send until the first output (or the end: a no
 request's first output is its last). Where other ingresses send too (a send weight above 1),
 that count misses theirs, and a step report's replaces it (everyone's, plus this router's sends
 since); alone, this router's own count is the better one, since it knows each prompt's expected
-cache hit, which the replica learns only when it admits the prompt (bench.fleet, the hour-long
-llm-d day, seed 1: 29,360 replica-seconds on the replica's count, about 28,300 on the router's).
+cache hit, which the replica learns only when it admits the prompt (in bench.fleet's llm-d day it
+needs fewer replica-seconds than the replica's count).
 Pure Python.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The router's Prometheus metrics (through Ray's metrics agent), named once here.
 
 Each replica exports its own prefix-cache hit rate (`pagedserve_prefix_cache_hit_rate{replica}`,
-see `replicas/deployment.py`); the router adds why it sent each request where it did, and the load
+see `replicas/deployment/engine_replica.py`); the router adds why it sent each request where it did, and the load
 it saw per replica.
 """
 from __future__ import annotations

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.routing.prefix_index import PrefixMatch
-from serve_app.routing.rendezvous import (ReplicaSet, rendezvous_home,  # noqa: F401 (re-exported)
-                                          rendezvous_weight)
+from pagedserve.serve_app.routing.prefix_index import PrefixMatch
+from pagedserve.serve_app.routing.rendezvous import (  # noqa: F401 (re-exported)
+    ReplicaSet, rendezvous_home, rendezvous_weight,
+)
 
 AFFINITY = "affinity"
 LOAD_OVERRIDE = "load-override"
@@ -54,19 +55,17 @@ class RoutingSettings(BaseModel):
     # Requests (waiting + running) by which the best cache holder may exceed the least-loaded
     # replica. A replica batches many requests at once, so a few more cost less than the prefill
     # a miss repeats; but where replicas outnumber hot prefixes, a high guard piles the load onto
-    # their holders while the rest idle. bench.fleet, llmd workload, TTFT p90 at 4/2, 16/8, 64/32:
-    # 8 replicas 3.5/1.3/0.41 s; 1,000 replicas at 5,000 req/s 0.39/0.54/2.2 s (p2c 14.5, 1.6).
+    # their holders while the rest idle. The defaults balance the two at a few replicas and at a
+    # thousand (`python -m bench.fleet --workload llmd`).
     load_override_threshold: float = Field(16.0, ge=0)
     # The same guard for a cold prefix's home, lower, since nothing is cached there yet: a home
     # busier than the least-loaded replica by more than this goes to two choices (None: never).
     cold_home_max_excess_load: float | None = Field(8.0, ge=0)
     # Set: a cold home is one of two choices, taken unless another replica drawn at random is less
     # loaded by more than this. None (the default): the home, blind to load within the guard.
-    # Measured while the fallback's two choices compared loads alone (bench.fleet nosharing, 64
-    # replicas to 640 req/s, seeds 0-2, TTFT p90): the defaults 0.387-0.400 s against p2c's
-    # 0.337-0.351; slack 8 with the guard off 0.323-0.334, but 1.23x the ideal on seed 1 of the
-    # llm-d day (`--workload diurnal --duration-s 3600`; the defaults 1.18x). With the fallback on
-    # queued prefill, the defaults read 0.221-0.233 s there.
+    # A slack helped without shared prefixes but cost replicas on the llm-d day, and with the
+    # fallback weighing queued prefill the defaults do well on both (bench.fleet --workload
+    # nosharing and diurnal).
     cold_home_pair_slack: float | None = Field(None, ge=0)
     # Leading blocks a replica must hold beyond the replica holding the fewest for affinity to count.
     min_affinity_blocks: int = Field(1, ge=1)
@@ -98,22 +97,6 @@ class Decision:
     @property
     def ranked(self) -> list[str]:
         return list(self.ranking())
-
-
-def choose_replica(block_hashes: Sequence[int], loads: Mapping[str, float],
-                   matches: Mapping[str, int], settings: RoutingSettings,
-                   rng: random.Random | None = None,
-                   queued_prefill: Mapping[str, int] | None = None) -> Decision:
-    """Rank the live replicas (the keys of `loads`) for one request, given each one's match
-    (and the prompt blocks queued for prefill on each, where known)."""
-    if not loads:
-        raise ValueError("no live replicas to choose from")
-    replicas = ReplicaSet(loads, loads)
-    matched = [matches.get(r, 0) for r in replicas.ids]
-    common = min(matched)
-    deeper = {r: m for r, m in zip(replicas.ids, matched) if m > common}
-    return rank_replicas(block_hashes, replicas, PrefixMatch(common, deeper), settings, rng,
-                         queued_prefill)
 
 
 def rank_replicas(block_hashes: Sequence[int], replicas: ReplicaSet, match: PrefixMatch,
@@ -182,7 +165,7 @@ def _heaviest(replicas: ReplicaSet, key: int, positions) -> int:
     if len(positions) <= 8:  # a few: Python's mix is cheaper than numpy's fixed costs
         return int(max(positions, key=lambda at: replicas.weight(key, at)))
     # Many: a hot prefix's holders, tied request after request on the same key (its first block),
-    # so its kept weights are a gather away (mixing their seeds anew cost ~7 µs at 20 holders).
+    # so its kept weights are a gather away (mixing their seeds anew cost more).
     positions = np.asarray(positions, dtype=np.intp)
     return int(positions[np.argmax(replicas.kept_weights(key)[positions])])
 

@@ -7,7 +7,7 @@ that replica will hold them once it prefills, and the next request with the same
 them before the next digest says so. An optimistic entry lives until a digest taken
 `optimistic_ttl_s` after the insert has had time to show it (or to show that it was evicted again).
 
-Hashes are chained (`replicas.block_hash`), so one hash names a whole prefix; a match is the number
+Hashes are chained (`pagedserve.replicas.core.block_hash`), so one hash names a whole prefix; a match is the number
 of leading blocks of a request that a replica holds. The inverted index (hash -> replicas holding
 it, by mirror or optimistically) is kept from the mirrors' changes and the inserts, so a match
 costs the request's blocks times the replicas that hold them, not the fleet's size.
@@ -22,8 +22,8 @@ position equals the run's last hash shares every block before it, and skips thei
 exact; unless all of them gain the same replica at once (a prompt sent past its holders), which
 leaves them one holder set.
 
-A request whose prompt nobody holds yet (a tenant's first 6,000-token context: ~450 fresh
-blocks) cost ~120 µs to enter into that index, the slowest decisions at a thousand replicas. So a
+A request whose prompt nobody holds yet (a tenant's first long context: hundreds of fresh blocks)
+was slow to enter into that index, the slowest decisions at a thousand replicas. So a
 long fresh tail of an optimistic insert waits as a lazy tail instead: until the replica's next
 digest enters it (off the decision path), a request with the same first block compares its hashes
 with the tail's by position (chained hashes: equal at a position means equal before it, so the
@@ -39,8 +39,8 @@ from itertools import groupby, islice, repeat
 from operator import indexOf, itemgetter
 from typing import Any
 
-from serve_app.routing.cache_mirror import CacheMirror
-from serve_app.routing.prefix_runs import PrefixRuns
+from pagedserve.serve_app.routing.cache_mirror import CacheMirror
+from pagedserve.serve_app.routing.prefix_runs import PrefixRuns
 
 DEFAULT_OPTIMISTIC_TTL_S = 10.0
 # Leading blocks with one holder set from which a run is remembered: below this, looking them up

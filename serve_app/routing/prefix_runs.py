@@ -5,11 +5,11 @@ Every block of a run has the run's holder set; whoever changes a block's holders
 (each block points at its run's first block), unless a chain's leading blocks all gain the same
 replica at once (`grow`), which leaves a run within them one holder set.
 
-Pointing a run's blocks at its first one (~375 dict inserts for an llm-d tenant's context) was a
-third of a decision that remembers a run, the slowest decisions at a thousand replicas. Only
-`forget` reads those pointers, and no block changes holders without it, so `remember` leaves them
-pending: `settle` writes them, off the decision path (the index's next digest) or first thing in
-`forget`. Pure Python.
+Pointing a run's blocks at its first one (hundreds of dict inserts for an llm-d tenant's context)
+was a large share of a decision that remembers a run, the slowest decisions at a thousand
+replicas. Only `forget` reads those pointers, and no block changes holders without it, so
+`remember` leaves them pending: `settle` writes them, off the decision path (the index's next
+digest) or first thing in `forget`. Pure Python.
 """
 from __future__ import annotations
 

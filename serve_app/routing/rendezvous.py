@@ -4,8 +4,8 @@ decision ranks: sorted ids, their positions, and their hash seeds, built once pe
 A replica's weight for a key is `mix64(mix64(key) ^ seed(replica))`, where `mix64` is SplitMix64's
 finalizer and the seed is a blake2b digest of the replica id: stable across processes (Python's
 str hash is salted), and cheap enough to weigh every replica for every cold prefix. One blake2b per
-replica and key (the weight before) cost about 1 us, so 1 ms a decision at 1,000 replicas; the
-seeds are computed once per replica, and the mix runs over all of them at once in numpy.
+replica and key (the weight before) made a decision at a thousand replicas slow; the seeds are
+computed once per replica, and the mix runs over all of them at once in numpy.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class ReplicaSet:
     def kept_weights(self, key: int) -> np.ndarray:
         """weights(key), read-only, kept for the next decision with the same key: a hot prompt
         sent past its busy holders weighs the least-loaded replicas on its first block, request
-        after request (a dozen whole-array passes each, 5-15 µs apiece with cold caches)."""
+        after request (a dozen whole-array passes each, slow with cold caches)."""
         weights = self._kept.get(key)
         if weights is None:
             if len(self._kept) >= self._keep:

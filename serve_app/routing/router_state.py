@@ -10,12 +10,13 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from replicas.cache_digest import DIGEST_VERSION, QueueDepth
-from serve_app.routing.load import LoadTracker
-from serve_app.routing.policy import (AFFINITY, FALLBACK, LOAD_OVERRIDE, Decision, RoutingSettings,
-                                      rank_replicas)
-from serve_app.routing.prefix_index import PrefixIndex
-from serve_app.routing.rendezvous import ReplicaSet
+from pagedserve.replicas.core.cache_digest import DIGEST_VERSION, QueueDepth
+from pagedserve.serve_app.routing.load import LoadTracker
+from pagedserve.serve_app.routing.policy import (
+    AFFINITY, FALLBACK, LOAD_OVERRIDE, Decision, RoutingSettings, rank_replicas,
+)
+from pagedserve.serve_app.routing.prefix_index import PrefixIndex
+from pagedserve.serve_app.routing.rendezvous import ReplicaSet
 
 
 class RouterState:
@@ -49,7 +50,7 @@ class RouterState:
                      finished: Iterable[str], report: Sequence) -> None:
         """One engine step of replica_id, as its outputs to this ingress carry it: its requests
         that had an output in it (so their prompts are prefilled) and those that finished in it
-        (by the ids this router knows them by), then its `replicas.cache_digest.StepReport`. The
+        (by the ids this router knows them by), then its `pagedserve.replicas.core.cache_digest.StepReport`. The
         finished end now, as of the report's time, so that the report's count is not taken
         from again as each request's stream closes later (once per send's weight: see
         `LoadTracker`); then the replica's load and prompt blocks queued for prefill are the
@@ -134,8 +135,8 @@ class RouterState:
 def kept_hashes(block_hashes: Sequence[int]) -> Sequence[int]:
     """A request's hashes as the index keeps them (for its TTL): an int64 array, whose items the
     garbage collector never visits. A list of them cost every young collection in this process a visit to
-    each of its ~450 int objects (cache misses: ~0.3 ms a collection, one per ~100 decisions at a
-    thousand replicas). A tuple where a hash is beyond int64 (block hashes never are)."""
+    each of its hundreds of int objects (cache misses, and collections come often at a thousand
+    replicas). A tuple where a hash is beyond int64 (block hashes never are)."""
     try:
         return array("q", block_hashes)
     except OverflowError:

@@ -5,7 +5,7 @@ import pytest
 
 from pagedserve import cli, flags, parser
 from pagedserve.catalog import catalog
-from serve_app.config import ServeSettings
+from pagedserve.serve_app.config import ServeSettings
 
 
 def parse(argv: list[str]) -> dict:
@@ -46,7 +46,7 @@ def test_unset_flags_leave_the_settings_defaults():
 
 
 def test_every_setting_of_both_models_has_a_flag():
-    from replicas.config import EngineConfig
+    from pagedserve.replicas.config import EngineConfig
 
     settings = {s.name: s for s in catalog()}
     expected = set(EngineConfig.model_fields) | set(ServeSettings.model_fields) - {"engine"}

@@ -119,7 +119,7 @@ def test_the_serve_config_in_cluster_yaml_builds():
 
 
 def test_the_head_pod_is_ready_when_the_app_generates():
-    from serve_app.http import OPEN_PATHS
+    from pagedserve.serve_app.http import OPEN_PATHS
     head = yaml.safe_load((REPO / "cluster.yaml").read_text())["spec"]["rayClusterConfig"][
         "headGroupSpec"]["template"]["spec"]["containers"][0]
     probe = head["readinessProbe"]["httpGet"]

@@ -9,7 +9,7 @@ ENGINE_FLAGS = ["--num-kv-blocks", "32", "--max-model-len", "128", "--num-thread
 
 
 def test_generate_prints_the_offline_llm_greedy_completion(tiny_model_dir, capsys):
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     assert cli.main(["generate", tiny_model_dir, "--prompt", "hello world", "--max-tokens", "6",
                      *ENGINE_FLAGS]) == 0

@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from kernels import cpu_features, cpu_linear
-from replicas import LLM, SamplingParams
+from pagedserve.kernels import cpu_features, cpu_linear
+from pagedserve import LLM, SamplingParams
 from tests.tiny_models import build_tiny_model
 
 TOP_K = 5

@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import decoder_layers, native
-from kernels.metadata import AttentionMetadata
-from replicas import LLM, SamplingParams
-from replicas.model_loader import load_model
+from pagedserve.kernels import decoder_layers, native
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.models.loader import load_model
 from tests import quant_checkpoints as qc
 from tests.tiny_models import build_tiny_model
 

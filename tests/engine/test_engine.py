@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.tiny_models import build_tiny_model
 
 MODELS = {

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (replicas/engine_core.py), reached as the ingress reaches
+"""The engine core in a process of its own (replicas/engine/core.py), reached as the ingress reaches
 it (serve_app/engine_client.py): the same outputs as the engine in this process, errors that name
 their field, aborts and lost connections that free every block, refusals past its limit that wait
 in the ingress's queue, and a core that dies failing exactly the requests it held."""
@@ -11,11 +11,12 @@ import socket
 
 import pytest
 
-from replicas import LLM, SamplingParams, cpu_binding, protocol
-from replicas.config import EngineConfig
-from replicas.core_process import CoreProcess
-from replicas.sampling_params import RequestOutputKind
-from serve_app.errors import OpenAIError
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.engine import cpu_binding, protocol
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.core_process import CoreProcess
+from pagedserve.replicas.core.sampling_params import RequestOutputKind
+from pagedserve.serve_app.errors import OpenAIError
 from tests.core_harness import add_request, generate, running_core, started
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -145,7 +146,7 @@ def test_a_client_without_the_token_and_the_protocol_is_dropped(tiny_model_dir, 
 def test_an_idle_core_keeps_sending_stats_until_its_load_has_faded(tiny_model_dir):
     """The autoscaler reads a replica's load from the core's last stats: a core that went idle
     must not leave its busy figure there for good."""
-    from replicas.step_load import DEFAULT_WINDOW_S
+    from pagedserve.replicas.core.step_load import DEFAULT_WINDOW_S
 
     model_dir = str(tiny_model_dir("llama"))
 
@@ -206,7 +207,7 @@ def test_the_core_runs_on_the_cpus_it_claimed_and_gives_them_back(tiny_model_dir
 
 def test_the_core_freezes_its_startup_heap(tiny_model_dir):
     """A full collection while serving walks only what serving made, not the model, tokenizer and
-    libraries the core was built with (see replicas/engine_core.py: serve)."""
+    libraries the core was built with (see replicas/engine/core.py: serve)."""
     core = CoreProcess(protocol.Start(config(str(tiny_model_dir("llama"))).model_dump(),
                                       "127.0.0.1"))
     try:
@@ -251,7 +252,7 @@ class HangingEngine:
     release = None  # a threading.Event, set by the test
 
     def __new__(cls, config):
-        from replicas.engine import LLMEngine
+        from pagedserve.replicas.engine.llm_engine import LLMEngine
 
         class Hanging(LLMEngine):
             def step(self):

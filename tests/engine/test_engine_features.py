@@ -3,9 +3,9 @@ import asyncio
 
 import pytest
 
-from replicas import LLM, SamplingParams
-from replicas.config import EngineConfig
-from serve_app.errors import OpenAIError
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.serve_app.errors import OpenAIError
 from tests.tiny_models import build_tiny_model
 
 
@@ -143,7 +143,7 @@ def test_a_core_streams_and_aborts(model_dir):
 
 
 def test_delta_and_final_only_outputs(model_dir):
-    from replicas.sampling_params import RequestOutputKind
+    from pagedserve.replicas.core.sampling_params import RequestOutputKind
     from tests.core_harness import running_core, started
 
     async def main():
@@ -171,7 +171,7 @@ def test_delta_and_final_only_outputs(model_dir):
 
 
 def test_a_request_keeps_the_block_hashes_it_came_with(llm):
-    from replicas.block_hash import block_hashes
+    from pagedserve.replicas.core.block_hash import block_hashes
 
     engine = llm.llm_engine
     ids = list(range(3, 3 + 40))
@@ -191,7 +191,7 @@ def test_a_request_keeps_the_block_hashes_it_came_with(llm):
     ("hello", SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
 ])
 def test_engine_errors_name_their_field(llm, prompt, params, param):
-    from replicas.sampling_params import ParamError
+    from pagedserve.replicas.core.sampling_params import ParamError
 
     with pytest.raises(ParamError) as info:
         llm.llm_engine.make_request("e", prompt, params)

@@ -5,12 +5,12 @@ import random
 import pytest
 import torch
 
-from kernels import AttentionMetadata
-from replicas import LLM, SamplingParams
-from replicas.block_manager import BlockManager
-from replicas.input_batch import InputBatch
-from replicas.scheduler import ScheduledSeq, Scheduler
-from replicas.sequence import Sequence, SequenceStatus
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.execution.input_batch import InputBatch
+from pagedserve.replicas.core.scheduler import ScheduledSeq, Scheduler
+from pagedserve.replicas.core.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 CPU = torch.device("cpu")

@@ -15,8 +15,8 @@ import pytest
 import torch
 import transformers
 
-from replicas import LLM, SamplingParams
-from replicas.models.rotary import RotaryEmbedding
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.models.rotary import RotaryEmbedding
 from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family, hf_greedy
 
 ORIGINAL = FAMILY_CONFIGS["phi3"][1]["original_max_position_embeddings"]

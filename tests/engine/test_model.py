@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from kernels.metadata import AttentionMetadata
-from replicas.model_loader import load_model
-from replicas.models import LlamaForCausalLM
-from replicas.models.rotary import inverse_frequencies, rope_parameters
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.replicas.models.loader import load_model
+from pagedserve.replicas.models import LlamaForCausalLM
+from pagedserve.replicas.models.rotary import inverse_frequencies, rope_parameters
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
@@ -165,7 +165,7 @@ def test_sliding_windows_per_layer(config_class, fields, expected):
 
 
 def test_cpu_projections_run_on_packed_weights(tiny_model_dir):
-    from replicas.models.llama import Linear
+    from pagedserve.replicas.models.llama import Linear
 
     for name in ("llama", "qwen2"):  # untied lm_head; tied lm_head and q/k/v biases
         model, _, _ = load_model(tiny_model_dir(name), dtype="float32")

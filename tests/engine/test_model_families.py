@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-from kernels import native_linear
-from replicas import LLM, SamplingParams
-from replicas.models import MODEL_REGISTRY, get_model_class
+from pagedserve.kernels import native_linear
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.models import MODEL_REGISTRY, get_model_class
 from tests.tiny_models import FAMILY_CONFIGS, build_tiny_family, hf_greedy
 
 # Longer than Gemma's 8-token windows and than one 32-token chunk; within Phi-3's original
@@ -82,7 +82,7 @@ def test_checkpoints_without_the_head_prefix_load_the_same(tmp_path):
     "transformer."), with causal-mask buffers beside them; both are accepted."""
     from safetensors.torch import load_file
 
-    from replicas.model_loader import load_config
+    from pagedserve.replicas.models.loader import load_config
 
     path = build_tiny_family(tmp_path, "gpt2")
     weights = load_file(str(path / "model.safetensors"))

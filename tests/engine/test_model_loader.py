@@ -9,10 +9,12 @@ import pytest
 import torch
 import transformers
 
-from kernels import kv_cache_bytes_per_block, kv_cache_shape
-from kernels.cpu_features import has_native_bf16
-from replicas.model_loader import DTYPES, iterate_weights, load_model, resolve_dtype, weight_files
-from replicas.models import LlamaForCausalLM
+from pagedserve.kernels.metadata import kv_cache_bytes_per_block, kv_cache_shape
+from pagedserve.kernels.cpu_features import has_native_bf16
+from pagedserve.replicas.models.loader import (
+    DTYPES, iterate_weights, load_model, resolve_dtype, weight_files,
+)
+from pagedserve.replicas.models import LlamaForCausalLM
 
 NATIVE_AUTO = torch.bfloat16 if has_native_bf16() else torch.float32  # dtype="auto" on this CPU
 
@@ -90,7 +92,7 @@ def test_auto_dtype_rule(found):
 @pytest.mark.parametrize("level, expected", [("avx512_bf16", torch.bfloat16), ("avx512", torch.float32),
                                              ("avx2", torch.float32)])
 def test_auto_dtype_per_level_whatever_the_checkpoint(monkeypatch, level, expected):
-    from kernels import cpu_features
+    from pagedserve.kernels import cpu_features
     monkeypatch.setattr(cpu_features, "cpu_level", lambda: level)  # any host: the table's rule
     for found in ("float32", "bfloat16", "float16"):
         assert resolve_dtype("auto", SimpleNamespace(dtype=found)) == expected

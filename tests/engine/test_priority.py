@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replicas import LLM, SamplingParams
-from replicas.sampling_params import ParamError
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.core.sampling_params import ParamError
 
 ARGS = dict(num_threads=1, num_kv_blocks=64, block_size=16, max_model_len=256)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -3,7 +3,7 @@ they yield means what the format means, and what they cannot read is named.
 
 Each variant is written from a tiny random model in the format's real layout (tests/
 quant_checkpoints.py; compressed-tensors' own compressor packs its checkpoints), and the reader's
-QuantWeights, through kernels.reference.dequantize_weight, must equal the written weights' float
+QuantWeights, through pagedserve.kernels.reference.dequantize_weight, must equal the written weights' float
 values (for compressed-tensors, its own decompressor's output).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from replicas.model_loader import iterate_weights, weight_files
-from replicas.quant import quantization_of, quantized_tensors
+from pagedserve.replicas.models.loader import iterate_weights, weight_files
+from pagedserve.replicas.quant import quantization_of, quantized_tensors
 from tests import quant_checkpoints as qc
 from tests.quant_checkpoints import assert_same_weights as assert_same
 

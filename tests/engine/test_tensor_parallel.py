@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replicas import LLM, SamplingParams
-from replicas.model_loader import iterate_weights, load_config, weight_files
-from replicas.models import get_model_class
-from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import check_tensor_parallel, check_world_size
+from pagedserve import LLM, SamplingParams
+from pagedserve.replicas.models.loader import iterate_weights, load_config, weight_files
+from pagedserve.replicas.models import get_model_class
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.sharding import check_tensor_parallel, check_world_size
 from tests.engine.tp_checks import (ENGINE, MAX_TOKENS, MODES, assert_same_outputs, generate,
                                     transformers_reference)
 from tests.tiny_models import build_tiny_family, build_tiny_model
@@ -120,7 +120,7 @@ def test_a_dead_rank_fails_the_health_check_and_the_next_step(models):
     try:
         engine = llm.llm_engine
         engine.check_health()
-        engine.runner.workers._handles[0].kill()
+        engine.runner.workers.ranks.processes[0].kill()
         deadline = time.monotonic() + 10
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 is gone"):
             while time.monotonic() < deadline:
@@ -143,7 +143,7 @@ def test_a_dropped_llm_releases_its_group_for_the_next(models):
     prompts, max_tokens = model.prompts[:2], MAX_TOKENS[:2]
     llm = LLM(model.path, tensor_parallel_size=2, **ENGINE, num_kv_blocks=16)
     first = generate(llm, prompts, max_tokens, prompt_logprobs=False)
-    ranks = list(llm.llm_engine.runner.workers._handles)
+    ranks = list(llm.llm_engine.runner.workers.ranks.processes)
     del llm
     gc.collect()
     assert all(process.poll() is not None for process in ranks)

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import native_linear
-from replicas import LLM
-from replicas.model_loader import iterate_weights, load_config, weight_files
-from replicas.models import BertModel, get_model_class
-from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import check_tensor_parallel
+from pagedserve.kernels import native_linear
+from pagedserve import LLM
+from pagedserve.replicas.models.loader import iterate_weights, load_config, weight_files
+from pagedserve.replicas.models import BertModel, get_model_class
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.sharding import check_tensor_parallel
 from tests.engine.tp_checks import (ENGINE, MODES, assert_same_outputs, generate,
                                     transformers_reference)
 from tests.tiny_models import build_tiny_family

@@ -18,14 +18,16 @@ import pytest
 import torch
 import transformers
 
-from kernels.quantized import QuantWeight, pack_values
-from kernels.reference import dequantize_weight
-from replicas import LLM
-from replicas.model_loader import checkpoint_tensors, load_config
-from replicas.models import get_model_class
-from replicas.models.layers import Linear, deferred_weights
-from replicas.parallel import state as parallel_state
-from replicas.parallel.sharding import MIN_SHARD_GROUP, Shard, check_tensor_parallel, read_shard
+from pagedserve.kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels.reference import dequantize_weight
+from pagedserve import LLM
+from pagedserve.replicas.models.loader import checkpoint_tensors, load_config
+from pagedserve.replicas.models import get_model_class
+from pagedserve.replicas.models.layers import Linear, deferred_weights
+from pagedserve.replicas.parallel import state as parallel_state
+from pagedserve.replicas.parallel.sharding import (
+    MIN_SHARD_GROUP, Shard, check_tensor_parallel, read_shard,
+)
 from tests import quant_checkpoints as qc
 from tests.engine.tp_checks import assert_same_outputs, generate, random_prompts
 from tests.tiny_models import build_tiny_family, build_tiny_model
@@ -149,7 +151,7 @@ def test_safetensors_formats_read_a_shard_as_the_whole_weight_cut(variant, sourc
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_1", "F16"])
 def test_gguf_reads_a_shard_as_the_whole_tensor_cut(kind, sources, tmp_path):
     path, _ = qc.write_gguf(sources[False], tmp_path / "model.gguf", kind)
-    from replicas.quant import read_gguf
+    from pagedserve.replicas.quant import read_gguf
     gguf = read_gguf(path)
     names = {hf: name for name, hf in gguf.names.items()}
     # q_proj's rows are permuted back from llama.cpp's order; down_proj's 512 columns over ranges
@@ -218,7 +220,7 @@ def test_each_rank_holds_about_half_of_a_quantized_checkpoint(fmt, sources, tmp_
 
 def test_act_order_row_parallel_shards_are_dense_with_one_warning(sources, tmp_path_factory, caplog):
     path = checkpoint("gptq-act-order", sources, tmp_path_factory)
-    with caplog.at_level(logging.WARNING, logger="replicas.models.causal_lm"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.replicas.models.causal_lm"):
         model = load_rank(path, 1, 2)
     warnings = [r for r in caplog.records if "held dequantized" in r.getMessage()]
     assert len(warnings) == 1 and "o_proj" in warnings[0].getMessage()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.tiny_models import hf_greedy
 
 PROMPT_LENS = [1, 3, 9, 17, 33, 40]

@@ -2,13 +2,13 @@
 
 The interpreter checks the kernels' arithmetic but not that they compile: tl.dot shapes, dtypes
 and layouts are only checked by the compiler. This script records the launches that
-store_kv/paged_attention would make (kernels.triton_attention._launch is the one launch point),
-and those of the quantized GEMM (kernels.triton_quant._launch), then runs Triton's compiler on
+store_kv/paged_attention would make (pagedserve.kernels.triton_attention._launch is the one launch point),
+and those of the quantized GEMM (pagedserve.kernels.triton_quant._launch), then runs Triton's compiler on
 each for sm_90 (H100/H200), down to a cubin (about 2 s each).
 Run it without TRITON_INTERPRET (test_triton_compile.py starts it in a subprocess).
 
     python tests/kernels/compile_for_gpu.py  ->  prints "compiled N kernels" (attention), then
-                                                 "compiled M kernels of kernels.triton_quant"
+                                                 "compiled M kernels of pagedserve.kernels.triton_quant"
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tests.kernels.kernel_cases import Case  # noqa: E402
-from kernels import triton_attention, triton_quant  # noqa: E402
-from kernels.quantized import QuantWeight, pack_values  # noqa: E402
+from pagedserve.kernels import triton_attention, triton_quant  # noqa: E402
+from pagedserve.kernels.quantized import QuantWeight, pack_values  # noqa: E402
 
 TARGETS = [GPUTarget("cuda", 90, 32)]  # add GPUTarget("cuda", 80, 32) for A100s
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -133,7 +133,7 @@ def compile_all(launches, verbose: bool) -> int:
 
 def main(verbose: bool = "-v" in sys.argv) -> None:
     print(f"compiled {compile_all(record_launches(), verbose)} kernels", flush=True)
-    print(f"compiled {compile_all(record_quant_launches(), verbose)} kernels of kernels.triton_quant")
+    print(f"compiled {compile_all(record_quant_launches(), verbose)} kernels of pagedserve.kernels.triton_quant")
 
 
 if __name__ == "__main__":

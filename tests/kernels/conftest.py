@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit decorator runs, i.e. before kernels.triton_* is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if "kernels.triton_kernels" in sys.modules:  # imported earlier in this session: decorate again
-        importlib.reload(sys.modules["kernels.triton_kernels"])
+    if "pagedserve.kernels.triton_kernels" in sys.modules:  # imported earlier in this session: decorate again
+        importlib.reload(sys.modules["pagedserve.kernels.triton_kernels"])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +38,9 @@ def one_thread():
 @pytest.fixture
 def restore_available(monkeypatch):
     """For tests that re-evaluate native.available() under an environment set with monkeypatch."""
-    from kernels import native  # not at the top: the Triton setting above must come first
+    from pagedserve.kernels import (  # not at the top: the Triton setting above must come first
+        native,
+    )
 
     native.available.cache_clear()
     yield

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.reference import first_key_position
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.reference import first_key_position
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kernels import reference, torch_attention
-from kernels.backend import get_attention_backend
+from pagedserve.kernels import reference, torch_attention
+from pagedserve.kernels.backend import get_attention_backend
 
 
 def test_auto_on_cpu_is_the_torch_fast_path():

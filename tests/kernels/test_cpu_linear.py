@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_features, cpu_linear, native, native_linear
+from pagedserve.kernels import cpu_features, cpu_linear, native, native_linear
 
 ROOT = Path(__file__).resolve().parents[2]
 GEMM_LEVELS = ["avx2", "avx512", "avx512_bf16"]
@@ -95,7 +95,7 @@ def test_loaded_level_packs_for_itself():
 def test_level_override_forces_avx2():
     if not _runs_here("avx2") or not native.available():
         pytest.skip("no AVX2 on this CPU")
-    code = ("import torch, torch.nn.functional as F\nfrom kernels import cpu_linear, native\n"
+    code = ("import torch, torch.nn.functional as F\nfrom pagedserve.kernels import cpu_linear, native\n"
             "w, b, x = torch.randn(100, 83), torch.randn(100), torch.randn(13, 83)\n"
             "packed = cpu_linear.pack(w)\n"
             "torch.testing.assert_close(cpu_linear.linear(x, w, packed, b), F.linear(x, w, b), "
@@ -193,7 +193,7 @@ def test_bf16_dispatch_matches_torch_bf16_linear(threads):
 @needs_bf16
 def test_bf16_tile_choice_is_one_per_process_and_forced_by_env():
     assert native_linear.bf16_tile() in native_linear.BF16_TILES
-    code = "from kernels import native_linear\nprint(native_linear.bf16_tile())"
+    code = "from pagedserve.kernels import native_linear\nprint(native_linear.bf16_tile())"
     for tile in native_linear.BF16_TILES:
         env = dict(os.environ, **{native_linear.BF16_TILE_ENV: tile})
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -223,7 +223,7 @@ def test_only_the_bf16_level_has_the_bf16_gemm(level):
 @needs_bf16
 def test_level_override_below_bf16_turns_bf16_off():
     """PAGEDSERVE_CPU_LEVEL=avx512 on a bf16 CPU: no bf16 GEMM, and auto dtype means float32."""
-    code = ("import torch\nfrom kernels import cpu_features, cpu_linear, native_linear\n"
+    code = ("import torch\nfrom pagedserve.kernels import cpu_features, cpu_linear, native_linear\n"
             "print(cpu_features.has_native_bf16(), native_linear.linear_bf16_available(), "
             "(cpu_linear.pack(torch.randn(8, 4).bfloat16()) or cpu_linear.PackedWeight('none', None, 0)).kind)")
     env = dict(os.environ, PAGEDSERVE_CPU_LEVEL="avx512")

@@ -1,5 +1,5 @@
 """The whole engine on the Triton backend (the interpreter on CPU) gives the torch backend's tokens."""
-from replicas import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from tests.tiny_models import build_tiny_model
 
 

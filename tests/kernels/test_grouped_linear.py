@@ -1,10 +1,10 @@
 """The grouped GEMM of a mixture of experts (csrc/gemm.c pagedserve_grouped_linear) equals
-kernels.reference.grouped_linear at every CPU level this machine runs, for expert loads from
+pagedserve.kernels.reference.grouped_linear at every CPU level this machine runs, for expert loads from
 all-empty to one expert taking every row, on one and two threads."""
 import pytest
 import torch
 
-from kernels import cpu_features, native_linear, reference
+from pagedserve.kernels import cpu_features, native_linear, reference
 
 LEVELS = ["avx2", "avx512", "avx512_bf16"]
 

@@ -3,8 +3,15 @@ test_native_build.py)."""
 import pytest
 import torch
 
-from kernels import (cpu_features, native, native_attention, native_norm_act, norm_act, reference,
-                     torch_attention)
+from pagedserve.kernels import (
+    cpu_features,
+    native,
+    native_attention,
+    native_norm_act,
+    norm_act,
+    reference,
+    torch_attention,
+)
 from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
 
 if not native.available():

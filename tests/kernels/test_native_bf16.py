@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import (cpu_features, native, native_argmax, native_attention, native_norm_act, norm_act,
-                     reference, torch_attention)
+from pagedserve.kernels import (
+    cpu_features,
+    native,
+    native_argmax,
+    native_attention,
+    native_norm_act,
+    norm_act,
+    reference,
+    torch_attention,
+)
 from tests.kernels.kernel_cases import SOFT_CAP, Case
 
 if not native.available():
@@ -246,8 +254,15 @@ def test_forced_avx2_level_runs_the_bf16_kernels():
         pytest.skip("no AVX2 on this CPU")
     code = """
 import torch
-from kernels import (cpu_features, native, native_attention, native_norm_act, norm_act, reference,
-                     torch_attention)
+from pagedserve.kernels import (
+    cpu_features,
+    native,
+    native_attention,
+    native_norm_act,
+    norm_act,
+    reference,
+    torch_attention,
+)
 from tests.kernels.kernel_cases import Case
 torch.set_num_threads(1)
 x, r, w = (torch.randn(5, 576).to(torch.bfloat16) for _ in range(3))

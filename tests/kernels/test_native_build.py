@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_features, native
+from pagedserve.kernels import cpu_features, native
 
 if not native.available():
     pytest.skip("native CPU kernels unavailable (no C compiler, or PAGEDSERVE_NATIVE=0)",
@@ -25,7 +25,7 @@ def test_one_openmp_runtime():
     # Loaded after torch, the library's libgomp.so.1 resolves to the runtime torch already loaded.
     # In a process of its own: other test modules import libraries with OpenMP runtimes of their
     # own (scikit-learn, through the embedding tests' reference), which the engine never loads.
-    code = ("import json, torch\nfrom kernels import native\nassert native.available()\n"
+    code = ("import json, torch\nfrom pagedserve.kernels import native\nassert native.available()\n"
             "print(json.dumps(sorted({l.split()[-1] for l in open('/proc/self/maps') "
             "if 'libgomp' in l or 'libiomp' in l})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -50,7 +50,7 @@ def test_build_cache(tmp_path, monkeypatch):
     assert built.is_relative_to(tmp_path / "a")
     stamp = built.stat().st_mtime_ns
     # A fresh process finds that build and loads it without compiling.
-    loaded = _python("import torch\nfrom kernels import native\n"
+    loaded = _python("import torch\nfrom pagedserve.kernels import native\n"
                      "native._compile = None  # calling it would fail\n"
                      "assert native.available()\nprint(native.library_path())", tmp_path / "a")
     assert Path(loaded) == built and built.stat().st_mtime_ns == stamp

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native, native_attention, native_linear, native_norm_act, quant_linear
-from kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels import (
+    native,
+    native_attention,
+    native_linear,
+    native_norm_act,
+    quant_linear,
+)
+from pagedserve.kernels.quantized import QuantWeight, pack_values
 
 if not native.available():
     pytest.skip("native CPU kernels unavailable", allow_module_level=True)
@@ -160,14 +166,14 @@ def _run(code: str, **env) -> str:
 
 
 def test_the_ctypes_setting_keeps_ctypes():
-    code = "import torch\nfrom kernels import native\nassert native.available()\nprint(native.calls())"
+    code = "import torch\nfrom pagedserve.kernels import native\nassert native.available()\nprint(native.calls())"
     assert _run(code, PAGEDSERVE_NATIVE_CALLS="ctypes") == "ctypes"
 
 
 def test_without_the_headers_the_library_builds_for_ctypes(tmp_path):
     # A fresh cache and an include directory without Python.h: the build leaves the entry points
     # out, and every kernel still runs, through ctypes.
-    code = ("import torch\nfrom pathlib import Path\nfrom kernels import native, native_norm_act\n"
+    code = ("import torch\nfrom pathlib import Path\nfrom pagedserve.kernels import native, native_norm_act\n"
             f"native.PYTHON_INCLUDE = Path({str(tmp_path / 'include')!r})\n"
             "assert native.available()\n"
             "assert not hasattr(native._lib, 'PyInit_pagedserve_cpu')\n"

@@ -1,11 +1,11 @@
-"""The random sampler's native draw (csrc/sample.c) against kernels.reference.sample_rows, on every
+"""The random sampler's native draw (csrc/sample.c) against pagedserve.kernels.reference.sample_rows, on every
 CPU level this CPU runs: the same token but where the target sits at a rounding's distance from a
 boundary of the CDF, never a token of zero probability, exact proportions over a grid of uniforms,
 and argmax's answer on rows without a distribution."""
 import pytest
 import torch
 
-from kernels import cpu_features, native, native_sample, reference
+from pagedserve.kernels import cpu_features, native, native_sample, reference
 
 if not native.available():
     pytest.skip("native CPU kernels unavailable (no C compiler, or PAGEDSERVE_NATIVE=0)",

@@ -1,8 +1,8 @@
-"""kernels.norm_act: the dispatching layer the model calls equals the torch formulas on every path."""
+"""pagedserve.kernels.norm_act: the dispatching layer the model calls equals the torch formulas on every path."""
 import pytest
 import torch
 
-from kernels import native, native_norm_act, norm_act
+from pagedserve.kernels import native, native_norm_act, norm_act
 
 DTYPES = [torch.float32, torch.bfloat16]
 

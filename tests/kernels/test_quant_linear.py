@@ -1,10 +1,10 @@
 """The weight-only quantized GEMM (kernels/quant_linear.py, csrc/gemm_q.c) of every CPU level this
-CPU runs, and its dequantized "dense" fallback, against kernels.reference.quant_linear."""
+CPU runs, and its dequantized "dense" fallback, against pagedserve.kernels.reference.quant_linear."""
 import pytest
 import torch
 
-from kernels import cpu_features, native, quant_linear, reference
-from kernels.quantized import QuantWeight, pack_values
+from pagedserve.kernels import cpu_features, native, quant_linear, reference
+from pagedserve.kernels.quantized import QuantWeight, pack_values
 
 KERNEL_LEVELS = ["avx2", "avx512", "avx512_bf16"]
 

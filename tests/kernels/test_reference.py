@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.kernel_cases import Case
-from kernels import reference
+from pagedserve.kernels import reference
 
 
 def test_reference_matches_dense_attention():

@@ -1,4 +1,4 @@
-"""The fused rotary + KV-cache store (csrc/rotary_kv.c) against its spec, kernels.rotary's
+"""The fused rotary + KV-cache store (csrc/rotary_kv.c) against its spec, pagedserve.kernels.rotary's
 reference (apply_rotary, then store_kv), bit for bit: fp32 and bf16 activations, fp32 and bf16
 caches, full and partial rotary dims, strided rows, every CPU level this CPU runs."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_features, native, native_norm_act, rotary
-from kernels.backend import get_attention_backend
+from pagedserve.kernels import cpu_features, native, native_norm_act, rotary
+from pagedserve.kernels.backend import get_attention_backend
 
 if not native.available():
     pytest.skip("no native CPU kernels here", allow_module_level=True)

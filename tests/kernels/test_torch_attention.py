@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.kernels.kernel_cases import SOFT_CAP, WINDOW_BATCHES, Case, assert_close
-from kernels import reference, torch_attention
+from pagedserve.kernels import reference, torch_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = [(4, 4), (9, 3), (8, 2)]  # (query heads, KV heads): GQA ratios 1, 3, 4

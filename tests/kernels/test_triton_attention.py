@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.kernels.kernel_cases import SOFT_CAP, Case, assert_close
-from kernels import reference, triton_attention
+from pagedserve.kernels import reference, triton_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The Triton dequant-GEMM against kernels.reference.quant_linear. Without a GPU it runs in
+"""The Triton dequant-GEMM against pagedserve.kernels.reference.quant_linear. Without a GPU it runs in
 Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), so shapes are small and the matrix is
 chosen, not crossed, where a cross adds nothing; compile_for_gpu.py compiles the same kernel for a
 real GPU."""
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available() and "kernels.triton_quant" in sys.modules:
-    importlib.reload(sys.modules["kernels.triton_quant"])  # decorated before TRITON_INTERPRET was set
+if not torch.cuda.is_available() and "pagedserve.kernels.triton_quant" in sys.modules:
+    importlib.reload(sys.modules["pagedserve.kernels.triton_quant"])  # decorated before TRITON_INTERPRET was set
 
 from tests.kernels.kernel_cases import assert_close  # noqa: E402
-from kernels import reference, triton_quant  # noqa: E402
-from kernels.quantized import QuantWeight, pack_values  # noqa: E402
+from pagedserve.kernels import reference, triton_quant  # noqa: E402
+from pagedserve.kernels.quantized import QuantWeight, pack_values  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -68,7 +68,7 @@ def cluster(fault_file):
 def deploy(settings: dict, name: str, route_prefix: str):
     from ray import serve
 
-    from serve_app import build_app
+    from pagedserve.serve_app import build_app
     serve.run(build_app(settings), name=name, route_prefix=route_prefix)
 
 
@@ -98,7 +98,7 @@ def client(app):
 @pytest.fixture(scope="session")
 def offline_llm(tiny_model_dir):
     """The offline API on the same model and engine settings: the reference for greedy text."""
-    from replicas import LLM
+    from pagedserve import LLM
     return LLM(tiny_model_dir, num_threads=1, **ENGINE_ARGS)
 
 
@@ -125,7 +125,7 @@ def core_digests(app_name: str, timeout_s: float = 20.0) -> dict[str, dict]:
 
     from ray import serve
 
-    from replicas import protocol
+    from pagedserve.replicas.engine import protocol
 
     _, entries = serve.get_deployment_handle("CoreDirectory", app_name).watch.remote(-1).result()
 

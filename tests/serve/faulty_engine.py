@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import threading
 
-from replicas.config import EngineConfig
-from replicas.engine import LLMEngine
+from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.llm_engine import LLMEngine
 
 STEPS_BEFORE_FAULT = 3
 STALL_S = 600.0

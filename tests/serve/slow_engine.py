@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from replicas.engine import LLMEngine
+from pagedserve.replicas.engine.llm_engine import LLMEngine
 
 STEP_DELAY_S = 0.005
 

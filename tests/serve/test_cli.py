@@ -88,7 +88,7 @@ def smoke(base: str, model: str | None = None) -> str:
 def test_serve_run_import_path_with_overrides(tiny_model_dir):
     from bench.common import free_port
 
-    port = free_port()  # the ingress serves `port` itself (serve_app.app.start_serve_for_serve_run)
+    port = free_port()  # the ingress serves `port` itself (pagedserve.serve_app.app.start_serve_for_serve_run)
     proc = serve_run(["serve_app:app", f"model={tiny_model_dir}", "served_model_name=tiny-cli",
                       "num_kv_blocks=128", "max_num_seqs=8", "num_replicas=1", f"port={port}"])
     try:

@@ -115,7 +115,7 @@ def test_scaling_down_in_place_cuts_no_stream(drain_app, tiny_model_dir):
 
 
 def test_autoscaling_down_cuts_no_stream(drain_app, tiny_model_dir):
-    from serve_app.autoscaling import autoscaling_config
+    from pagedserve.serve_app.autoscaling import autoscaling_config
 
     def bounds(min_replicas: int) -> dict:
         return {"autoscaling_config": autoscaling_config(

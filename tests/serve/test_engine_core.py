@@ -43,7 +43,7 @@ def test_the_engine_in_a_thread_serves_the_same_tokens(apps):
 
 
 def test_the_core_runs_on_the_cpus_it_claimed_and_its_ingress_keeps_off_them(apps):
-    from replicas import cpu_binding
+    from pagedserve.replicas.engine import cpu_binding
     body = {**GREEDY, "prompt": "on which cpus", "max_tokens": 4}
     assert httpx.post(f"{apps['core']}/v1/completions", json=body, timeout=60).status_code == 200
     (stats,) = replica_stats("core", 1).values()

@@ -13,7 +13,7 @@ from bench.fleet.cost_model import CostModel
 from bench.fleet.fleet import Fleet, FleetSettings
 from bench.fleet.replica import ReplicaSettings, Request
 from bench.fleet.workloads import Workload, WorkloadSettings
-from replicas.block_hash import block_hashes
+from pagedserve.replicas.core.block_hash import block_hashes
 from tests.serve.conftest import deploy
 from tests.serve.test_routing import VOCAB, run
 

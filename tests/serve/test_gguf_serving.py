@@ -33,7 +33,7 @@ def gguf_app(cluster, gguf_model):
 def test_a_gguf_file_serves_the_offline_engines_greedy_text(gguf_app, gguf_model):
     from openai import OpenAI
 
-    from replicas import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     client = OpenAI(base_url=f"{gguf_app}/v1", api_key="unused", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [gguf_model]

@@ -9,7 +9,7 @@ import textwrap
 
 import httpx
 
-from replicas import SamplingParams
+from pagedserve import SamplingParams
 from tests.serve.conftest import API_KEY, MODEL_NAME, REPO, replica_stats, wait_for
 
 WORDS = "the quick brown fox jumps over lazy dog paged attention blocks cache prefix".split()

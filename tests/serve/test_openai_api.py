@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from replicas import SamplingParams
+from pagedserve import SamplingParams
 from tests.serve.conftest import MODEL_NAME
 
 PROMPTS = ["hello world", "the quick brown fox jumps over", "paged attention blocks cache prefix",

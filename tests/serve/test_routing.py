@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from bench.routing import ideal_cached_tokens
-from replicas.block_hash import block_hashes
+from pagedserve.replicas.core.block_hash import block_hashes
 from tests.serve.conftest import core_digests, deploy
 
 APP = "routing"

@@ -26,8 +26,8 @@ def tp_app(cluster, tiny_model_dir):
 
 
 def test_replica_options_reserve_a_bundle_per_rank():
-    from serve_app.app import replica_options
-    from serve_app.config import ServeSettings
+    from pagedserve.serve_app.app import replica_options
+    from pagedserve.serve_app.config import ServeSettings
     options = replica_options(ServeSettings.from_args(dict(tensor_parallel_size=2, num_threads=2)))
     assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert options["placement_group_strategy"] == "STRICT_PACK"
@@ -47,7 +47,7 @@ def _complete(client: httpx.Client) -> httpx.Response:
 def _rank_actors() -> list[dict]:
     import ray
 
-    from replicas.parallel.executor import RANK_ACTOR_PREFIX
+    from pagedserve.replicas.deployment.rank_actors import RANK_ACTOR_PREFIX
     return [a for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith(RANK_ACTOR_PREFIX)]
 
@@ -68,7 +68,7 @@ def test_openai_api_answers_as_the_single_rank_engine(tp_app, offline_llm):
     where Ray placed the ranks) over its connection to the ingress."""
     import json
 
-    from replicas import SamplingParams
+    from pagedserve import SamplingParams
     response = _complete(tp_app)
     assert response.status_code == 200, response.text
     expected = offline_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),

@@ -93,7 +93,7 @@ def test_coalesced_n2_logprobs_chunks_stay_well_formed(coalesced):
 
 def test_a_stop_string_met_across_events_ends_the_stream_and_frees_the_blocks(coalesced,
                                                                              offline_llm):
-    from replicas import SamplingParams
+    from pagedserve import SamplingParams
 
     prompt = "stop strings in the ingress"
     free = offline_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60,

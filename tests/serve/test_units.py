@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 
-from replicas.outputs import CompletionOutput, Logprob, RequestOutput
-from serve_app.config import ServeSettings
-from serve_app.errors import OpenAIError, from_validation_error
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.replicas.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.serve_app.config import ServeSettings
+from pagedserve.serve_app.errors import OpenAIError, from_validation_error
+from pagedserve.serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_settings_split_engine_and_serving_keys():
@@ -84,7 +84,7 @@ def test_request_output_add_folds_deltas_per_completion():
 
 
 def test_output_queue_hands_a_late_consumer_one_folded_output():
-    from replicas.output_queue import OutputQueue
+    from pagedserve.serve_app.output_queue import OutputQueue
 
     async def run():
         queue = OutputQueue()
@@ -100,7 +100,7 @@ def test_output_queue_hands_a_late_consumer_one_folded_output():
 
 
 def test_output_queue_raises_a_pending_error():
-    from replicas.output_queue import OutputQueue
+    from pagedserve.serve_app.output_queue import OutputQueue
 
     async def run():
         queue = OutputQueue()
@@ -114,9 +114,11 @@ def test_output_queue_raises_a_pending_error():
 
 @pytest.mark.parametrize("text", ["hi", 'a\nb\t"q"\\', "é日本🙂", "\u2028\x00\x1f\x7f", ""])
 def test_sse_text_events_are_the_models_bytes(text):
-    from serve_app.formatters import ChatFormatter, CompletionFormatter
-    from serve_app.protocol import (ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice,
-                                    CompletionStreamResponse, DeltaMessage)
+    from pagedserve.serve_app.formatters import ChatFormatter, CompletionFormatter
+    from pagedserve.serve_app.protocol import (
+        ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice, CompletionStreamResponse,
+        DeltaMessage,
+    )
 
     class Info:
         name, tokenizer = "my-model", None
@@ -135,7 +137,7 @@ def test_sse_text_events_are_the_models_bytes(text):
 
 
 def test_chat_stream_chunk_order():
-    from serve_app.formatters import ChatFormatter
+    from pagedserve.serve_app.formatters import ChatFormatter
 
     class Info:
         name, tokenizer = "m", None
@@ -163,7 +165,7 @@ def test_chat_stream_chunk_order():
 
 
 def test_logprob_shapes():
-    from serve_app.responses import LogprobFormatter
+    from pagedserve.serve_app.responses import LogprobFormatter
 
     position = {5: Logprob(-0.1, 1, "a"), 6: Logprob(-2.0, 2, "b"), 7: Logprob(-3.0, 3, "c")}
     fmt = LogprobFormatter(tokenizer=None, num_top=2)
@@ -177,7 +179,7 @@ def test_logprob_shapes():
 def test_replica_counts_autoscaling_and_routing_are_not_ingress_constructor_arguments():
     """Ray Serve updates a deployment in place (no restart, no cut stream) when only its options
     change: settings that steer the engine replicas must not reach the ingress's arguments."""
-    from serve_app import build_app
+    from pagedserve.serve_app import build_app
 
     def ingress_args(**changes):
         return build_app({"model": None, **changes})._bound_deployment.init_args[2]
@@ -194,7 +196,7 @@ def test_replica_counts_autoscaling_and_routing_are_not_ingress_constructor_argu
 def test_the_ingress_takes_its_router_and_queue_settings_in_place():
     """The router and the admission queue are the ingress's own: their settings are its
     user_config, which Ray Serve applies to running replicas (`Ingress.reconfigure`)."""
-    from serve_app.app import ingress_options
+    from pagedserve.serve_app.app import ingress_options
 
     s = ServeSettings.from_args({"max_queued_requests": "5",
                                  "request_router_kwargs": '{"load_override_threshold": 2}'}, env={})
@@ -204,7 +206,7 @@ def test_the_ingress_takes_its_router_and_queue_settings_in_place():
 
 
 def test_the_ingress_drains_as_long_as_the_engine_replicas():
-    from serve_app.app import ingress_options, replica_options
+    from pagedserve.serve_app.app import ingress_options, replica_options
 
     s = ServeSettings.from_args({"min_replicas": 1, "max_replicas": 2}, env={})
     assert ingress_options(s)["graceful_shutdown_timeout_s"] \

@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.autoscaling import (KV_WORKING_SET_METRIC, LOAD_METRIC, POLICY_PATH,
+from pagedserve.serve_app.autoscaling import (KV_WORKING_SET_METRIC, LOAD_METRIC, POLICY_PATH,
                                    QUEUE_DEPTH_METRIC, STEP_DOWN, QueueDepthPolicy,
                                    autoscaling_config, desired_num_replicas, load_trend, policy)
 
@@ -97,7 +97,7 @@ def test_a_fleet_with_full_replicas_and_empty_queues_does_not_scale_down():
 
 
 def test_replicas_report_their_load_whichever_binds_first():
-    from replicas.cache_digest import autoscaling_stats
+    from pagedserve.replicas.core.cache_digest import autoscaling_stats
 
     stats = {"num_waiting": 0, "num_running": 6, "kv_cache_usage": 0.2, "max_num_seqs": 8}
     assert autoscaling_stats(stats) == {QUEUE_DEPTH_METRIC: 0.0, LOAD_METRIC: 0.75}

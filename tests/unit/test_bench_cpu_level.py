@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from bench import cpu_level
-from kernels.cpu_features import OVERRIDE_ENV
+from pagedserve.kernels.cpu_features import OVERRIDE_ENV
 
 
 def test_apply_caps_every_library_at_the_level(monkeypatch):

@@ -1,8 +1,8 @@
-from replicas.block_hash import block_hashes, hash_block, ROOT_HASH
-from replicas.block_manager import NULL_BLOCK, BlockManager, kv_window_of
-from replicas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
+from pagedserve.replicas.core.block_hash import block_hashes, hash_block, ROOT_HASH
+from pagedserve.replicas.core.block_manager import NULL_BLOCK, BlockManager, kv_window_of
+from pagedserve.replicas.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
 
 BS = 4
 

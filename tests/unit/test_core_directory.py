@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from serve_app.core_directory import ENTRY_TTL_S, CoreDirectory
+from pagedserve.serve_app.core_directory import ENTRY_TTL_S, CoreDirectory
 
 
 def test_watchers_hear_publications_and_withdrawals_at_once():

@@ -1,4 +1,4 @@
-"""CPU binding (replicas/cpu_binding.py): cpu_bind's spelling, claims that engine cores on one node
+"""CPU binding (replicas/engine/cpu_binding.py): cpu_bind's spelling, claims that engine cores on one node
 share without overlap and that free up when their holder dies, and serving processes that move
 off the claimed CPUs and back."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from replicas import cpu_binding
-from replicas.config import EngineConfig
+from pagedserve.replicas.engine import cpu_binding
+from pagedserve.replicas.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(not cpu_binding.SUPPORTED, reason="Linux CPU affinity")
 
@@ -65,7 +65,7 @@ def test_cores_on_one_node_claim_disjoint_cpus_and_a_dead_holders_come_free(clai
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from replicas import cpu_binding
+        from pagedserve.replicas.engine import cpu_binding
         cpu_binding.CLAIMS_PATH = Path({str(claims_path)!r})
         print(cpu_binding.claim("auto", 1), flush=True)
         sys.stdin.read()  # hold the claim until the test lets go
@@ -91,7 +91,7 @@ def test_a_serving_process_keeps_off_claimed_cpus_and_goes_back_once_they_are_fr
     script = textwrap.dedent(f"""
         import os, threading
         from pathlib import Path
-        from replicas import cpu_binding
+        from pagedserve.replicas.engine import cpu_binding
         cpu_binding.CLAIMS_PATH = Path({str(claims_path)!r})
         seen = {{}}
         started = threading.Event()
@@ -138,9 +138,9 @@ def test_serving_processes_follow_cores_that_come_and_go_after_them(claims_path)
     script = textwrap.dedent(f"""
         import os
         from pathlib import Path
-        from replicas import cpu_binding
-        from replicas.deployment import EngineReplica
-        from serve_app.ingress import Ingress
+        from pagedserve.replicas.engine import cpu_binding
+        from pagedserve.replicas.deployment.engine_replica import EngineReplica
+        from pagedserve.serve_app.ingress import Ingress
         cpu_binding.CLAIMS_PATH = Path({str(claims_path)!r})
         affinity = lambda: sorted(os.sched_getaffinity(0))
 

@@ -3,8 +3,8 @@ import json
 import re
 from pathlib import Path
 
-from serve_app.metrics import ALL_METRICS
-from serve_app.routing.metrics import REPLICA_ROUTER_LOAD, ROUTING_DECISIONS
+from pagedserve.serve_app.metrics import ALL_METRICS
+from pagedserve.serve_app.routing.metrics import REPLICA_ROUTER_LOAD, ROUTING_DECISIONS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "pagedserve.json"
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replicas import embedding_model
-from replicas.pooling import PoolingConfig, pool
-from serve_app.embeddings import EmbeddingRequest, build_response
+from pagedserve.replicas.model_files import embedding_model
+from pagedserve.replicas.core.pooling import PoolingConfig
+from pagedserve.replicas.execution.pooler import pool
+from pagedserve.serve_app.embeddings import EmbeddingRequest, build_response
 
 
 @pytest.mark.parametrize("value", [

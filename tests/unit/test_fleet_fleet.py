@@ -88,7 +88,7 @@ def test_each_ingress_hears_the_step_reports_of_the_replicas_running_its_request
     """A step's outputs go to the ingresses of their requests, each with the step's report, as
     on the engine cores' output channels: each router hears its own requests finish there and
     reads the replicas' loads as of their last step, not their last digest."""
-    from serve_app.routing.router_state import RouterState
+    from pagedserve.serve_app.routing.router_state import RouterState
     heard = []
     observe_step = RouterState.observe_step
 

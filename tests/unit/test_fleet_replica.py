@@ -4,8 +4,8 @@ import pytest
 from bench.fleet.clock import EventQueue
 from bench.fleet.cost_model import CostModel
 from bench.fleet.replica import ReplicaSettings, Request, SimReplica
-from replicas.kv_events import STORED
-from serve_app.routing.cache_mirror import CacheMirror
+from pagedserve.replicas.core.kv_events import STORED
+from pagedserve.serve_app.routing.cache_mirror import CacheMirror
 
 MODEL = CostModel(step_overhead_s=0.01, prefill_token_s=0.001, decode_seq_s=0.002)
 SETTINGS = ReplicaSettings(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)

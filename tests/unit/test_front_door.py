@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from bench.common import free_port
-from serve_app.config import ServeSettings
-from serve_app.front_door import HTTPFrontDoor, listening_socket
+from pagedserve.serve_app.config import ServeSettings
+from pagedserve.serve_app.front_door import HTTPFrontDoor, listening_socket
 
 
 def test_ingress_replicas_share_the_port():

@@ -7,14 +7,15 @@ import threading
 
 import pytest
 
-from replicas.block_manager import BlockManager
-from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog,
-                                KVEventPublisher, KVSnapshot, decode_event, encode_event,
-                                take_snapshot, wire_stream)
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
-from serve_app.routing.cache_mirror import CacheMirror
-from serve_app.routing.prefix_index import PrefixIndex
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, KVEventPublisher, KVSnapshot,
+    decode_event, encode_event, take_snapshot, wire_stream,
+)
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.serve_app.routing.cache_mirror import CacheMirror
+from pagedserve.serve_app.routing.prefix_index import PrefixIndex
 
 BS = 4
 
@@ -247,6 +248,6 @@ def test_reports_from_another_thread_while_the_engine_steps():
 
 def test_kv_events_imports_neither_torch_nor_ray():
     import subprocess
-    code = ("import sys, replicas.kv_events, replicas.block_manager;"
+    code = ("import sys, pagedserve.replicas.core.kv_events, pagedserve.replicas.core.block_manager;"
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,14 +1,16 @@
-"""The engine protocol (replicas/protocol.py): every message type crosses the codec intact, frames
+"""The engine protocol (replicas/engine/protocol.py): every message type crosses the codec intact, frames
 split across reads come out whole, and what is not a message of ours is refused."""
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from replicas import protocol
-from replicas.cache_digest import StepReport
-from replicas.outputs import CompletionOutput, Logprob, RequestOutput
-from replicas.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedserve.replicas.engine import protocol
+from pagedserve.replicas.core.cache_digest import StepReport
+from pagedserve.replicas.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.replicas.core.sampling_params import (
+    RequestOutputKind, SamplingParams, StructuredOutputsParams,
+)
 
 PARAMS = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["\n", "END"],
                         stop_token_ids=[7], logit_bias={5: -1.5}, max_tokens=20, min_tokens=2,

@@ -1,11 +1,13 @@
 import pytest
 
-from replicas.block_hash import block_hashes
-from replicas.block_manager import BlockManager
-from replicas.cache_digest import DIGEST_VERSION, QueueDepth, RoutingReporter, autoscaling_stats
-from replicas.kv_events import KVSnapshot, wire_stream
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.cache_digest import (
+    DIGEST_VERSION, QueueDepth, RoutingReporter, autoscaling_stats,
+)
+from pagedserve.replicas.core.kv_events import KVSnapshot, wire_stream
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
 
 BS = 4
 
@@ -71,7 +73,7 @@ def test_stats_for_the_router_and_the_autoscaler():
 def test_digest_imports_neither_torch_nor_ray():
     import subprocess
     import sys
-    code = ("import sys, replicas.cache_digest;"
+    code = ("import sys, pagedserve.replicas.core.cache_digest;"
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

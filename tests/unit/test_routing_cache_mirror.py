@@ -1,6 +1,7 @@
-from replicas.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVSnapshot,
-                                encode_event, wire_stream)
-from serve_app.routing.cache_mirror import CacheMirror
+from pagedserve.replicas.core.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, KVSnapshot, encode_event, wire_stream,
+)
+from pagedserve.serve_app.routing.cache_mirror import CacheMirror
 
 
 def stream(head, events, snapshot=None, first=None):

@@ -1,4 +1,4 @@
-from serve_app.routing.load import WEIGHING_REPORTS, WEIGHING_SPACING_S, LoadTracker
+from pagedserve.serve_app.routing.load import WEIGHING_REPORTS, WEIGHING_SPACING_S, LoadTracker
 
 
 def test_load_is_report_plus_sends_since_it():
@@ -76,13 +76,25 @@ def test_load_follows_a_reroute_and_forgets_dead_replicas():
 
 
 def test_requests_never_seen_finishing_are_dropped_eventually(monkeypatch):
-    import serve_app.routing.load as load_module
+    import pagedserve.serve_app.routing.load as load_module
     monkeypatch.setattr(load_module, "MAX_IN_FLIGHT", 3)
     loads = LoadTracker()
     for i in range(3):
         loads.sent(f"old{i}", "r1", now=0.0)
     loads.sent("new", "r1", now=load_module.IN_FLIGHT_TTL_S + 1)
     assert loads.load("r1") == 1
+
+
+def test_the_ttl_drops_requests_never_seen_finishing_oldest_first(monkeypatch):
+    import pagedserve.serve_app.routing.load as load_module
+    monkeypatch.setattr(load_module, "MAX_IN_FLIGHT", 4)
+    loads = LoadTracker()
+    for i in range(4):
+        loads.sent(f"old{i}", "r1", now=float(i))
+    loads.sent("old0", "r2", now=5.0)  # moved: now the newest send
+    loads.sent("new", "r1", now=load_module.IN_FLIGHT_TTL_S + 2.5)
+    # old1, old2 are past the TTL; old3 (sent at 3.0) and the moved old0 are not
+    assert (loads.load("r1"), loads.load("r2")) == (2, 1)
 
 
 def test_queued_prefill_counts_a_prompt_from_its_send_to_its_first_output():

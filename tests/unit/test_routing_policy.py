@@ -3,9 +3,13 @@ from collections import Counter
 
 import pytest
 
-from replicas.block_hash import block_hashes
-from serve_app.routing.policy import (AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings,
-                                      choose_replica, rendezvous_home, rendezvous_weight)
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.serve_app.routing.policy import (
+    AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings, rank_replicas, rendezvous_home,
+    rendezvous_weight,
+)
+from pagedserve.serve_app.routing.prefix_index import PrefixMatch
+from pagedserve.serve_app.routing.rendezvous import ReplicaSet
 
 BS = 4
 IDS = ["r1", "r2", "r3"]
@@ -13,8 +17,12 @@ A = block_hashes(list(range(16)), BS)  # a 4-block prompt
 SETTINGS = RoutingSettings(load_override_threshold=4, cold_home_max_excess_load=2)
 
 
-def choose(hashes, loads, matches, settings=SETTINGS, seed=0):
-    return choose_replica(hashes, loads, matches, settings, random.Random(seed))
+def choose(hashes, loads, matches, settings=SETTINGS, seed=0, queued=None):
+    """The decision over the live replicas `loads`, each holding `matches` leading blocks."""
+    common = min((matches.get(r, 0) for r in loads), default=0)
+    deeper = {r: m for r, m in matches.items() if r in loads and m > common}
+    return rank_replicas(hashes, ReplicaSet(loads, loads), PrefixMatch(common, deeper), settings,
+                         random.Random(seed), queued)
 
 
 def idle(ids=IDS):
@@ -137,11 +145,10 @@ def test_no_full_block_falls_back_to_two_choices_on_load():
 def test_two_choices_go_to_the_fewer_prompt_blocks_queued_for_prefill_before_load():
     loads = {"r1": 1.0, "r2": 9.0, "r3": 9.0}  # r1: few requests, but a long prompt in prefill
     queued = {"r1": 120, "r2": 0}  # r3 unknown: none
-    picks = Counter(choose_replica([], loads, {}, SETTINGS, random.Random(s), queued).replica_id
-                    for s in range(30))
+    picks = Counter(choose([], loads, {}, seed=s, queued=queued).replica_id for s in range(30))
     assert "r1" not in picks and set(picks) == {"r2", "r3"}
     even = {"r1": 4, "r2": 4, "r3": 4}  # the same queue: load decides
-    assert {choose_replica([], loads, {}, SETTINGS, random.Random(s), even).replica_id
+    assert {choose([], loads, {}, seed=s, queued=even).replica_id
             for s in range(30)} == {choose([], loads, {}, seed=s).replica_id for s in range(30)}
 
 
@@ -159,14 +166,14 @@ def test_single_replica_and_validation():
 def test_rendezvous_weight_is_stable_across_processes():
     import subprocess
     import sys
-    code = "from serve_app.routing.policy import rendezvous_weight as w; print(w(-12345, 'abc'))"
+    code = "from pagedserve.serve_app.routing.policy import rendezvous_weight as w; print(w(-12345, 'abc'))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env={"PYTHONHASHSEED": "7", "PATH": ""}).stdout
     assert int(out) == rendezvous_weight(-12345, "abc")
 
 
 def test_the_ranking_past_the_first_choice_is_made_only_when_asked_for(monkeypatch):
-    import serve_app.routing.policy as policy
+    import pagedserve.serve_app.routing.policy as policy
     ids = [f"r{i}" for i in range(50)]
     d = choose(A, {r: 0.0 for r in ids}, {"r7": 4})
     asked = []

@@ -1,6 +1,6 @@
-from replicas.block_hash import block_hashes
-from replicas.kv_events import BlockRemoved, KVSnapshot, encode_event, wire_stream
-from serve_app.routing.prefix_index import PrefixIndex
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.kv_events import BlockRemoved, KVSnapshot, encode_event, wire_stream
+from pagedserve.serve_app.routing.prefix_index import PrefixIndex
 
 BS = 4
 A = block_hashes(list(range(16)), BS)  # 4 blocks

@@ -1,12 +1,12 @@
-"""serve_app.routing.rendezvous: the scalar weight and the vectorized one agree, and spread."""
+"""pagedserve.serve_app.routing.rendezvous: the scalar weight and the vectorized one agree, and spread."""
 import random
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from serve_app.routing import rendezvous
-from serve_app.routing.rendezvous import ReplicaSet, rendezvous_home, rendezvous_weight
+from pagedserve.serve_app.routing import rendezvous
+from pagedserve.serve_app.routing.rendezvous import ReplicaSet, rendezvous_home, rendezvous_weight
 
 
 def test_vectorized_weights_equal_the_scalar_weight():

@@ -2,12 +2,13 @@
 import random
 from collections import Counter
 
-from replicas.block_hash import block_hashes
-from replicas.cache_digest import DIGEST_VERSION
-from replicas.kv_events import BlockStored, KVSnapshot, encode_event, wire_stream
-from serve_app.routing.policy import (AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings,
-                                      rendezvous_home)
-from serve_app.routing.router_state import RouterState
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.cache_digest import DIGEST_VERSION
+from pagedserve.replicas.core.kv_events import BlockStored, KVSnapshot, encode_event, wire_stream
+from pagedserve.serve_app.routing.policy import (
+    AFFINITY, COLD_HOME, FALLBACK, LOAD_OVERRIDE, RoutingSettings, rendezvous_home,
+)
+from pagedserve.serve_app.routing.router_state import RouterState
 
 BS = 4
 SYSTEM = list(range(1000, 1032))  # an 8-block "system prompt"
@@ -182,7 +183,7 @@ def test_events_between_snapshots_drive_affinity_and_a_hole_waits_for_the_next_s
 def test_a_requests_hashes_are_kept_where_the_garbage_collector_never_scans_them():
     import gc
 
-    from serve_app.routing.router_state import kept_hashes
+    from pagedserve.serve_app.routing.router_state import kept_hashes
     hashes = [hash((i, "block")) for i in range(450)]
     kept = kept_hashes(hashes)
     assert list(kept) == hashes and not any(isinstance(r, int) for r in gc.get_referents(kept))

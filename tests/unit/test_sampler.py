@@ -5,14 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import reference
-from replicas import logprobs as logprobs_module
-from replicas.logprobs import compute_prompt_logprobs
-from replicas.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
-from replicas import sampler as sampler_module
-from replicas.sampler import Sampler, apply_min_p, apply_top_k_top_p
-from replicas.sampling_params import SamplingParams
-from replicas.sequence import Sequence
+from pagedserve.kernels import reference
+from pagedserve.replicas.execution import logprobs as logprobs_module
+from pagedserve.replicas.execution.logprobs import compute_prompt_logprobs
+from pagedserve.replicas.execution.penalties import (
+    apply_logit_bias, apply_min_tokens, apply_penalties,
+)
+from pagedserve.replicas.execution import sampler as sampler_module
+from pagedserve.replicas.execution.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.sequence import Sequence
 
 V = 8
 NEG_INF = float("-inf")

@@ -1,10 +1,10 @@
 import subprocess
 import sys
 
-from replicas.block_manager import BlockManager
-from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler
-from replicas.sequence import Sequence, SequenceStatus
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.scheduler import Scheduler
+from pagedserve.replicas.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 
@@ -166,8 +166,8 @@ def test_abort_frees_blocks():
 
 
 def test_control_plane_imports_neither_torch_nor_ray():
-    code = ("import sys; import replicas.sequence, replicas.block_manager, replicas.scheduler, "
-            "replicas.block_hash; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
+    code = ("import sys; import pagedserve.replicas.core.sequence, pagedserve.replicas.core.block_manager, pagedserve.replicas.core.scheduler, "
+            "pagedserve.replicas.core.block_hash; bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

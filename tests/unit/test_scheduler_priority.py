@@ -2,10 +2,10 @@
 fcfs unchanged."""
 import pytest
 
-from replicas.block_manager import BlockManager
-from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler
-from replicas.sequence import Sequence
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.scheduler import Scheduler
+from pagedserve.replicas.core.sequence import Sequence
 
 BS = 4
 

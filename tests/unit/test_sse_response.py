@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serve_app.sse import CoalescingStreamingResponse
+from pagedserve.serve_app.sse import CoalescingStreamingResponse
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}}
 

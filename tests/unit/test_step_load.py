@@ -1,6 +1,6 @@
 import pytest
 
-from replicas.step_load import StepLoad
+from pagedserve.replicas.core.step_load import StepLoad
 
 
 def test_a_light_load_reads_low_though_the_engine_is_always_stepping():

@@ -6,10 +6,12 @@ import random
 
 import pytest
 
-from replicas.detokenizer import IncrementalDetokenizer
-from replicas.outputs import CompletionOutput, Logprob, RequestOutput
-from replicas.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from serve_app.stream_text import StreamText, take_text
+from pagedserve.replicas.core.detokenizer import IncrementalDetokenizer
+from pagedserve.replicas.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.replicas.core.sampling_params import (
+    RequestOutputKind, SamplingParams, StructuredOutputsParams,
+)
+from pagedserve.serve_app.stream_text import StreamText, take_text
 from tests.tiny_models import build_tiny_model, build_tokenizer
 
 
@@ -210,7 +212,7 @@ _request_ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from replicas import LLM
+    from pagedserve import LLM
     model_dir = build_tiny_model(tmp_path_factory.mktemp("llama"), "llama",
                                  max_position_embeddings=256)
     return LLM(str(model_dir), max_model_len=256, enable_prefix_caching=False).llm_engine

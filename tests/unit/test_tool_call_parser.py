@@ -1,4 +1,4 @@
-"""serve_app.tool_call_parser: every split of a completion into deltas gives the same calls,
+"""pagedserve.serve_app.tool_call_parser: every split of a completion into deltas gives the same calls,
 content and (merged) events as the whole text, and the events come as soon as the text allows."""
 import itertools
 import json
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from serve_app.tool_call_parser import Arguments, CallStart, Content, ToolCallParser
-from serve_app.tool_calls import Call, parse_calls, tool_spec
+from pagedserve.serve_app.tool_call_parser import Arguments, CallStart, Content, ToolCallParser
+from pagedserve.serve_app.tool_calls import Call, parse_calls, tool_spec
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}},

@@ -9,9 +9,9 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from replicas.outputs import CompletionOutput, Logprob, RequestOutput
-from serve_app.formatters import ChatFormatter
-from serve_app.protocol import ChatCompletionRequest
+from pagedserve.replicas.core.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.serve_app.formatters import ChatFormatter
+from pagedserve.serve_app.protocol import ChatCompletionRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}}}},

@@ -1,10 +1,12 @@
-"""serve_app.tool_calls: checking tools and tool_choice, the forcing grammar, reading calls."""
+"""pagedserve.serve_app.tool_calls: checking tools and tool_choice, the forcing grammar, reading calls."""
 import json
 
 import pytest
 
-from replicas.sampling_params import ParamError
-from serve_app.tool_calls import parse_calls, template_messages, tool_constraint, tool_spec
+from pagedserve.replicas.core.sampling_params import ParamError
+from pagedserve.serve_app.tool_calls import (
+    parse_calls, template_messages, tool_constraint, tool_spec,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
                                             "parameters": {"type": "object",

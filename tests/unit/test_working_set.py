@@ -1,4 +1,4 @@
-from replicas.working_set import WorkingSet
+from pagedserve.replicas.core.working_set import WorkingSet
 
 
 def test_blocks_looked_up_once_are_not_a_working_set():
