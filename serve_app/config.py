@@ -199,10 +199,13 @@ class ServeSettings(RequestLimits):
                                    {k: getattr(self, k) for k in RequestLimits.model_fields}))
 
     def ingress_user_config(self) -> dict[str, Any]:
-        """What the ingress's router, admission queue and drain steer by: its Ray Serve
-        `user_config`, applied to running ingress replicas in place (`Ingress.reconfigure`)."""
+        """What the ingress's router, admission queue, scale from zero and drain steer by: its
+        Ray Serve `user_config`, applied to running ingress replicas in place
+        (`Ingress.reconfigure`)."""
         return {"routing": self.request_router_kwargs,
-                "max_queued_requests": self.max_queued_requests, "drain_s": self.drain_s}
+                "max_queued_requests": self.max_queued_requests,
+                "scale_from_zero": self.autoscaling and self.min_replicas == 0,
+                "drain_s": self.drain_s}
 
     @property
     def drain_s(self) -> float:

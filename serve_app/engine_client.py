@@ -14,7 +14,7 @@ import asyncio
 import collections
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -37,12 +37,15 @@ ADMISSION_POLL_S = 0.05  # the head of the queue retries this often (room freed 
 QUEUED_REPORT_S = 0.5  # how often the cores hear of the requests waiting here for them
 # Before any core has connected (the ingress just started), a request waits this long for one.
 NO_CORE_WAIT_S = 30.0
+# With none up and scale from zero on, this long: the autoscaler's delay, then a replica's start.
+COLD_START_WAIT_S = 120.0
 
 
 class EngineClient:
     def __init__(self, directory, routing: RoutingSettings, max_queued_requests: int,
                  retry_after_s: int, metrics: RoutingMetrics | None = None,
-                 on_replica_lost: Callable[[str], None] | None = None):
+                 on_replica_lost: Callable[[str], None] | None = None,
+                 ask_for_replica: Callable[[], Awaitable] | None = None):
         self.directory = directory  # a handle to the CoreDirectory deployment
         self.client_id = uuid.uuid4().hex
         self.router = RouterState(routing)
@@ -55,6 +58,11 @@ class EngineClient:
         self.last_generation: dict[str, float | None] = {}  # per core, from its digests
         self.waiting: collections.deque[RequestStream] = collections.deque()
         self.no_core_wait_s = NO_CORE_WAIT_S
+        # min_replicas=0: with no core up a request waits for one, and asks for it (below).
+        self.scale_from_zero = False
+        self.cold_start_wait_s = COLD_START_WAIT_S
+        self.ask_for_replica = ask_for_replica
+        self._asking: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._version = -1
         self._connected = asyncio.Event()
@@ -216,11 +224,15 @@ class EngineClient:
         try:
             if not self.live_ids:
                 connecting = any(not link.connected for link in self.links.values())
-                if self._ever_connected and not connecting:  # all gone: Ray Serve replaces them
+                wait_s = self.no_core_wait_s
+                if self.scale_from_zero:
+                    self._ask_for_replica()
+                    wait_s = self.cold_start_wait_s
+                elif self._ever_connected and not connecting:  # all gone: Ray Serve replaces them
                     raise errors.unavailable("no engine replica is available",
                                              self.retry_after_s)
                 try:
-                    await asyncio.wait_for(self._connected.wait(), self.no_core_wait_s)
+                    await asyncio.wait_for(self._connected.wait(), wait_s)
                 except asyncio.TimeoutError:
                     raise errors.unavailable("no engine replica is available",
                                              self.retry_after_s) from None
@@ -230,6 +242,21 @@ class EngineClient:
                 await stream.wake
         except asyncio.TimeoutError:
             pass
+
+    def _ask_for_replica(self) -> None:
+        """No core is up: one call through the replica deployment's handle waits in that handle's
+        queue until a replica runs, and Ray Serve's autoscaler counts it as demand (the
+        replicas' own stats, the usual signal, need a replica)."""
+        if self.ask_for_replica is not None and self._asking is None:
+            self._asking = self._spawn(self._ask())
+
+    async def _ask(self) -> None:
+        try:
+            await self.ask_for_replica()
+        except Exception as exc:  # noqa: BLE001 - the next waiting request asks again
+            logger.debug("asking for an engine replica failed: %r", exc)
+        finally:
+            self._asking = None
 
     def leave_queue(self, stream: RequestStream) -> None:
         if stream.queued:

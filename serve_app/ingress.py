@@ -64,7 +64,8 @@ class Ingress:
         self.engines = EngineClient(directory, RoutingSettings(), 0, self.settings.retry_after_s,
                                     RoutingMetrics(serve.get_replica_context().app_name,
                                                    REPLICA_DEPLOYMENT),
-                                    self.replica_health.mark_dead)
+                                    self.replica_health.mark_dead,
+                                    lambda: engine_replica.stats.remote())
         self.engines.start()
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
@@ -85,9 +86,10 @@ class Ingress:
 
     def reconfigure(self, config: dict) -> None:
         """Ray Serve's in-place update (`ServeSettings.ingress_user_config`): the router's
-        settings, the admission queue's bound, the drain budget."""
+        settings, the admission queue's bound, scale from zero, the drain budget."""
         self.engines.configure_router(RoutingSettings(**config.get("routing", {})))
         self.engines.max_queued_requests = config["max_queued_requests"]
+        self.engines.scale_from_zero = config["scale_from_zero"]
         self.drain_s = config["drain_s"]
 
     def model_name(self) -> str:

@@ -282,3 +282,93 @@ def test_a_core_whose_first_step_hangs_has_told_its_replica_it_has_work(tiny_mod
             assert len((await stream).outputs[0].token_ids) == 4
 
     asyncio.run(main())
+
+
+class GrowingDirectory:
+    """The `CoreDirectory` handle's `watch.remote(version)` over cores published while it runs."""
+
+    def __init__(self):
+        self.entries: dict[str, list] = {}
+        self.version = 0
+        self.changed = asyncio.Event()
+        self.watch = self
+
+    async def remote(self, version: int):
+        while version == self.version:
+            self.changed.clear()
+            await self.changed.wait()
+        return self.version, dict(self.entries)
+
+    def publish(self, replica_id: str, address) -> None:
+        self.entries[replica_id] = list(address)
+        self.version += 1
+        self.changed.set()
+
+
+def test_with_no_core_up_and_scale_from_zero_requests_wait_and_ask_for_one_replica(
+        tiny_model_dir):
+    """min_replicas=0: with no core up, requests wait (no 503) and the ingress asks Ray Serve for
+    a replica once, however many wait; the core that then joins serves them."""
+    from pagedserve.serve_app.engine_client import EngineClient
+    from pagedserve.serve_app.routing.policy import RoutingSettings
+
+    engine_config = config(str(tiny_model_dir("llama")), num_kv_blocks=32)
+    greedy = SamplingParams(max_tokens=4, **GREEDY)
+    started_cores: list[CoreProcess] = []
+
+    async def run():
+        directory = GrowingDirectory()
+        asks = []
+
+        async def ask_for_replica():  # what Ray Serve's autoscaler then does: start one
+            asks.append(1)
+            start = protocol.Start(engine_config.model_dump(), "127.0.0.1", None, None, None)
+            core = await asyncio.to_thread(CoreProcess, start, True)
+            started_cores.append(core)
+            core.attach()
+            directory.publish("core", core.address)
+
+        client = EngineClient(directory, RoutingSettings(), -1, retry_after_s=1,
+                              ask_for_replica=ask_for_replica)
+        client.scale_from_zero = True
+        client.cold_start_wait_s = 60.0
+        client.start()
+        try:
+            outputs = await asyncio.gather(generate(client, "a", [5, 6, 7], greedy),
+                                           generate(client, "b", [8, 9], greedy))
+        finally:
+            client.shutdown()
+        return asks, outputs
+
+    try:
+        asks, outputs = asyncio.run(run())
+    finally:
+        for core in started_cores:
+            core.shutdown()
+    assert asks == [1]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+
+
+def test_with_no_core_up_and_no_scale_from_zero_nothing_is_asked_for(tiny_model_dir):
+    from pagedserve.serve_app.engine_client import EngineClient
+    from pagedserve.serve_app.routing.policy import RoutingSettings
+
+    async def run():
+        asks = []
+
+        async def ask_for_replica():
+            asks.append(1)
+
+        client = EngineClient(GrowingDirectory(), RoutingSettings(), -1, retry_after_s=1,
+                              ask_for_replica=ask_for_replica)
+        client.no_core_wait_s = 0.2
+        client.start()
+        try:
+            with pytest.raises(OpenAIError) as error:
+                await generate(client, "a", [5, 6, 7], SamplingParams(max_tokens=2))
+        finally:
+            client.shutdown()
+        return asks, error.value
+
+    asks, error = asyncio.run(run())
+    assert asks == [] and error.status_code == 503

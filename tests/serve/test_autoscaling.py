@@ -1,5 +1,6 @@
 """Queue-depth autoscaling on real Ray Serve: sustained queued load scales 1 -> 2 within the
-configured delay, idle scales back to 1, and no request fails while a replica drains."""
+configured delay, idle scales back to 1, and no request fails while a replica drains; with
+min_replicas=0, idle goes to zero and the next request brings a replica back."""
 from __future__ import annotations
 
 import asyncio
@@ -105,5 +106,29 @@ def test_queue_depth_scales_up_under_load_and_back_down_without_failures(cluster
         assert num_wanted() == 1, f"no scale-down within {limit:.0f}s"
         assert results and not failures(results), failures(results)
         print(f"scale-up decided after {decided_s:.1f}s, scale-down after {down_s:.1f}s")
+    finally:
+        serve.delete(APP)
+
+
+def test_a_deployment_scaled_to_zero_starts_a_replica_for_the_next_request(cluster,
+                                                                           tiny_model_dir):
+    """min_replicas=0: idle, the deployment goes to zero replicas; the next request waits in the
+    ingress, which asks Ray Serve for a replica, and is served once one has started."""
+    from ray import serve
+
+    deploy(dict(model=tiny_model_dir, served_model_name="tiny", replica_num_cpus=0.5,
+                min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=1,
+                max_model_len=256, num_kv_blocks=64, block_size=16), APP, PREFIX)
+    base_url = f"{cluster.base_url}{PREFIX}"
+    try:
+        limit = time.monotonic() + 1 + LOOK_BACK_S + DECISION_SLACK_S + 20
+        while sum(replica_states().values()) and time.monotonic() < limit:  # stopped, not stopping
+            time.sleep(0.5)
+        assert not sum(replica_states().values()), f"still {replica_states()} replicas when idle"
+        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 8,
+                "ignore_eos": True, "temperature": 0}
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=START_LIMIT_S + 60)
+        assert response.status_code == 200, response.text  # a replica started and served it
+        assert response.json()["usage"]["completion_tokens"] == 8
     finally:
         serve.delete(APP)

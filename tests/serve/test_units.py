@@ -203,6 +203,9 @@ def test_the_ingress_takes_its_router_and_queue_settings_in_place():
     config = ingress_options(s)["user_config"]
     assert config["max_queued_requests"] == 5
     assert config["routing"] == {"load_override_threshold": 2}
+    assert config["scale_from_zero"] is False
+    zero = ServeSettings.from_args({"min_replicas": "0", "max_replicas": "2"}, env={})
+    assert ingress_options(zero)["user_config"]["scale_from_zero"] is True
 
 
 def test_the_ingress_drains_as_long_as_the_engine_replicas():
