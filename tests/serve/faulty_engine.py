@@ -16,6 +16,7 @@ from pagedserve.replicas.config import EngineConfig
 from pagedserve.replicas.engine.llm_engine import LLMEngine
 
 STEPS_BEFORE_FAULT = 3
+PROBE_PREFIX = "readiness-probe-"  # replicas/engine/core.py names its probes so
 STALL_S = 600.0
 
 
@@ -25,7 +26,7 @@ class FaultyEngine(LLMEngine):
         runner = self.runner
         execute = runner.execute
         fault_file = os.environ.get("PAGEDSERVE_FAULT_FILE", "")
-        armed: dict = {}  # "at": the step the fault fires at, "mode": which fault
+        armed: dict = {}  # "steps": requests' steps left before the fault fires, "mode": which
         never = threading.Event()
 
         def faulty_execute(scheduler_output):
@@ -33,8 +34,12 @@ class FaultyEngine(LLMEngine):
                 with open(fault_file) as f:
                     mode = f.read().strip() or "die"
                 os.remove(fault_file)
-                armed.update(at=self.num_steps + STEPS_BEFORE_FAULT, mode=mode)
-            if armed and self.num_steps >= armed["at"]:
+                armed.update(steps=STEPS_BEFORE_FAULT, mode=mode)
+            # Only steps that run a request count: an idle core's readiness probes step too, and
+            # must not spend the steps before the fault while the test's request is on its way.
+            if armed and not _probes_only(scheduler_output):
+                armed["steps"] -= 1
+            if armed and armed["steps"] < 0:
                 if armed["mode"] == "stall":
                     never.wait(STALL_S)
                 elif armed["mode"] == "once":
@@ -45,3 +50,7 @@ class FaultyEngine(LLMEngine):
             return execute(scheduler_output)
 
         runner.execute = faulty_execute
+
+
+def _probes_only(scheduler_output) -> bool:
+    return all(item.seq.request_id.startswith(PROBE_PREFIX) for item in scheduler_output.scheduled)
