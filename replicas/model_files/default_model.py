@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -90,26 +91,37 @@ def is_complete(model_dir: Path) -> bool:
 
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     """The converted default checkpoint's directory, converting it first if needed."""
+    def convert(tmp: Path, gguf: Path) -> None:
+        start = time.perf_counter()
+        logger.info("converting the default model %s into %s (first use only, about a minute)",
+                    DEFAULT_MODEL_NAME, tmp.parent / DEFAULT_MODEL_NAME)
+        convert_gguf(gguf, tmp)
+        logger.info("default model ready in %.0f s", time.perf_counter() - start)
+
+    return cached_dir(DEFAULT_MODEL_NAME, find_default_gguf, convert, cache_dir)
+
+
+def cached_dir(name: str, find_source: Callable[[], Path], build: Callable[[Path, Path], None],
+               cache_dir: str | Path | None = None) -> Path:
+    """The cache's directory `name`, built once: `build(tmp, source)` fills a temporary directory
+    beside it, which is marked complete and renamed into place, under a file lock so that
+    processes starting together build it once."""
     root = cache_root(cache_dir)
-    target = root / DEFAULT_MODEL_NAME
+    target = root / name
     if is_complete(target):
         return target
-    gguf = find_default_gguf()
+    source = find_source()
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{DEFAULT_MODEL_NAME}.lock"):
+    with _file_lock(root / f"{name}.lock"):
         if is_complete(target):  # another process finished it while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         try:
-            start = time.perf_counter()
-            logger.info("converting the default model %s into %s (first use only, about a minute)",
-                        DEFAULT_MODEL_NAME, target)
-            convert_gguf(gguf, tmp)
+            build(tmp, source)
             (tmp / COMPLETE_MARKER).write_text(json.dumps(
-                {"version": CONVERSION_VERSION, "source": str(gguf)}))
+                {"version": CONVERSION_VERSION, "source": str(source)}))
             tmp.chmod(0o755)
             _publish(tmp, target)
-            logger.info("default model ready in %.0f s", time.perf_counter() - start)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

