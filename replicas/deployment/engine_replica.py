@@ -17,6 +17,8 @@ from pagedserve.replicas.engine import cpu_binding, protocol
 from pagedserve.replicas.config import EngineConfig
 from pagedserve.replicas.engine.core_process import CoreProcess
 from pagedserve.replicas.deployment.metrics import ReplicaMetrics
+# The app builder checks a tensor-parallel model through the shim, before any replica starts.
+from pagedserve.replicas.parallel.sharding import check_model_splits  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -160,14 +162,3 @@ class EngineReplica:
         core = getattr(self, "core", None)
         if core is not None:
             core.shutdown()
-
-
-def check_model_splits(model_dir, tensor_parallel_size: int) -> None:
-    """The model's heads (and architecture) allow tensor_parallel_size, before any replica starts."""
-    from pagedserve.replicas.models.loader import load_config
-    from pagedserve.replicas.models import get_model_class
-    from pagedserve.replicas.parallel.sharding import check_tensor_parallel
-    from pagedserve.replicas.quant import quantization_of
-    hf_config = load_config(model_dir)
-    check_tensor_parallel(hf_config, tensor_parallel_size, get_model_class(hf_config),
-                          quantized=quantization_of(model_dir) is not None)  # a GGUF's config says none

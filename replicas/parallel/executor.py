@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.replicas.config import EngineConfig
 from pagedserve.replicas.parallel import state as parallel_state
-from pagedserve.replicas.parallel.sharding import check_tensor_parallel, check_world_size
+from pagedserve.replicas.parallel.sharding import check_model_splits, check_world_size
 from pagedserve.replicas.parallel.worker import StepInput
 
 logger = logging.getLogger(__name__)
@@ -43,14 +43,8 @@ class Workers:
     """Ranks 1..N-1 of one engine; `tp` is the driver's (rank 0's) group state."""
 
     def __init__(self, config: EngineConfig, model_dir: str, device: torch.device):
-        from pagedserve.replicas.models.loader import load_config
-        from pagedserve.replicas.models import get_model_class
-        from pagedserve.replicas.quant import quantization_of
-
         world_size = config.tensor_parallel_size
-        hf_config = load_config(model_dir)
-        check_tensor_parallel(hf_config, world_size, get_model_class(hf_config),
-                              quantized=quantization_of(model_dir) is not None)
+        check_model_splits(model_dir, world_size)
         ray = use_ray(config)
         if not ray:  # under Ray the placement group has already reserved the devices
             check_world_size(world_size, device.type)

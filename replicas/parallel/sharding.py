@@ -95,6 +95,18 @@ def kv_head_start(num_kv_heads: int, world_size: int, rank: int) -> int:
     return rank // (world_size // num_kv_heads)
 
 
+def check_model_splits(model_dir, world_size: int) -> None:
+    """The checkpoint in model_dir (its heads, its architecture) splits world_size ways: the app
+    builder checks it before any replica starts, each engine again before it starts its ranks."""
+    from pagedserve.replicas.models import get_model_class
+    from pagedserve.replicas.models.loader import load_config
+    from pagedserve.replicas.quant import quantization_of
+
+    hf_config = load_config(model_dir)
+    check_tensor_parallel(hf_config, world_size, get_model_class(hf_config),
+                          quantized=quantization_of(model_dir) is not None)  # a GGUF's config says none
+
+
 def check_tensor_parallel(hf_config, world_size: int, model_class: type,
                           quantized: bool | None = None) -> None:
     """ValueError naming both numbers where the model cannot be split `world_size` ways.
