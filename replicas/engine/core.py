@@ -48,6 +48,7 @@ STATS_PERIOD_S = 0.1
 # they reach zero, so the autoscaler does not read a replica idle for minutes as busy.
 IDLE_STATS_PERIOD_S = 1.0
 DIGEST_PERIOD_S = 1.0  # the routing digest's period, to every client
+PROBE_ID_PREFIX = "readiness-probe-"  # the idle core's own one-token requests
 PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 _READ_SIZE = 1 << 16
@@ -202,7 +203,7 @@ class EngineCore:
         self._last_probe = now
         token = getattr(self.engine.tokenizer, "bos_token_id", None)
         try:
-            self.engine.add(self.engine.make_request(f"readiness-probe-{next(self._probe_ids)}",
+            self.engine.add(self.engine.make_request(f"{PROBE_ID_PREFIX}{next(self._probe_ids)}",
                                                      {"prompt_token_ids": [token or 0]},
                                                      PROBE_PARAMS))
         except ValueError as exc:

@@ -13,10 +13,10 @@ import os
 import threading
 
 from pagedserve.replicas.config import EngineConfig
+from pagedserve.replicas.engine.core import PROBE_ID_PREFIX
 from pagedserve.replicas.engine.llm_engine import LLMEngine
 
 STEPS_BEFORE_FAULT = 3
-PROBE_PREFIX = "readiness-probe-"  # replicas/engine/core.py names its probes so
 STALL_S = 600.0
 
 
@@ -53,4 +53,4 @@ class FaultyEngine(LLMEngine):
 
 
 def _probes_only(scheduler_output) -> bool:
-    return all(item.seq.request_id.startswith(PROBE_PREFIX) for item in scheduler_output.scheduled)
+    return all(item.seq.request_id.startswith(PROBE_ID_PREFIX) for item in scheduler_output.scheduled)
