@@ -70,6 +70,7 @@ _STATUS = {  # the C kernels' status codes (csrc/common.h)
                     "group size divide k (and be even for 4 bits)"),
     7: (ValueError, "group offsets must start at 0 and never decrease"),
     8: (ValueError, "a slot_mapping entry is outside the KV cache"),
+    9: (ValueError, "a LoRA token_slots entry is neither -1 nor a slot, or a rank is outside [0, R]"),
 }
 _F32 = torch.float32
 
@@ -237,6 +238,8 @@ SIGNATURES = {
                                    _I64, _I32],
     "pagedserve_quant_linear_i8_panel": [],
     "pagedserve_decoder_layers": [_PTR] * 12 + [_F32C, _F32C, _I32],
+    "pagedserve_lora_delta": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                              _I64, _I32, _I32],
 }
 _LETTERS = {_PTR: "p", _I64: "i", _I32: "i", _F32C: "f"}  # python_entry.c's argument letters
 

@@ -119,3 +119,20 @@ def sample_rows(logits: torch.Tensor, uniforms: torch.Tensor, scales: torch.Tens
     n = logits.shape[1]
     last_positive = n - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
     return torch.where(index < n, index, last_positive)
+
+
+def lora_delta_reference(x: torch.Tensor, out: torch.Tensor, token_slots: torch.Tensor,
+                         lora_a: torch.Tensor, lora_b_t: torch.Tensor, ranks: torch.Tensor) -> None:
+    """Batched multi-LoRA, in place: out[t] += (lora_a[s, :r] . x[t]) . lora_b_t[s, :r] for each
+    row t with an adapter, s = token_slots[t] (-1: none, row untouched), r = ranks[s].
+
+    x [T, K] and out [T, N] share a dtype; lora_a [S, R, K] and lora_b_t [S, R, N] (B transposed,
+    the scaling folded in) share theirs; rows of a slot past its rank are never read. Computed in
+    float32, out rounded once: out[t] = (out[t].float() + delta).to(out.dtype)."""
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        r = int(ranks[s])
+        h = lora_a[s, :r].float() @ x[t].float()
+        delta = h @ lora_b_t[s, :r].float()
+        out[t] = (out[t].float() + delta).to(out.dtype)

@@ -18,6 +18,7 @@ enum {
     PS_BAD_QUANT_LAYOUT = 6,
     PS_BAD_GROUP_OFFSETS = 7,
     PS_BAD_SLOT = 8,
+    PS_BAD_LORA = 9,
 };
 
 /* One sequence's metadata as the attention kernels check it before following it: a seq_len of at

@@ -133,6 +133,11 @@ PS_ENTRY(pagedserve_decoder_layers, FMT_DECODER_LAYERS,
          pagedserve_decoder_layers(v[0].p, v[1].p, v[2].p, v[3].p, v[4].p, v[5].p, v[6].p, v[7].p,
                                    v[8].p, v[9].p, v[10].p, v[11].p, (float)v[12].f, (float)v[13].f,
                                    (int)v[14].i))
+#define FMT_LORA_DELTA "pipippppiiiiiii"
+PS_ENTRY(pagedserve_lora_delta, FMT_LORA_DELTA,
+         pagedserve_lora_delta(v[0].p, v[1].i, v[2].p, v[3].i, v[4].p, v[5].p, v[6].p, v[7].p,
+                               v[8].i, v[9].i, v[10].i, v[11].i, v[12].i, (int)v[13].i,
+                               (int)v[14].i))
 PS_PANEL_ENTRY(pagedserve_linear_panel)
 PS_PANEL_ENTRY(pagedserve_linear_bf16_panel)
 PS_PANEL_ENTRY(pagedserve_quant_linear_panel)
@@ -148,7 +153,7 @@ static PyMethodDef methods[] = {
     PS_METHOD(pagedserve_quant_linear) PS_METHOD(pagedserve_quant_linear_i8)
     PS_METHOD(pagedserve_linear_panel) PS_METHOD(pagedserve_linear_bf16_panel)
     PS_METHOD(pagedserve_quant_linear_panel) PS_METHOD(pagedserve_quant_linear_i8_panel)
-    PS_METHOD(pagedserve_decoder_layers)
+    PS_METHOD(pagedserve_decoder_layers) PS_METHOD(pagedserve_lora_delta)
     {NULL, NULL, 0, NULL},
 };
 
@@ -159,7 +164,7 @@ PyMODINIT_FUNC PyInit_pagedserve_cpu(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *signatures = Py_BuildValue(
-        "{ssssssssssssssssssssssssssssssssssss}",
+        "{ssssssssssssssssssssssssssssssssssssss}",
         "pagedserve_paged_decode_attention", FMT_ATTENTION,
         "pagedserve_paged_prefill_attention", FMT_ATTENTION,
         "pagedserve_argmax_rows", FMT_ARGMAX_ROWS, "pagedserve_sample_rows", FMT_SAMPLE_ROWS,
@@ -170,7 +175,7 @@ PyMODINIT_FUNC PyInit_pagedserve_cpu(void) {
         "pagedserve_quant_linear", FMT_QUANT_LINEAR, "pagedserve_quant_linear_i8", FMT_QUANT_LINEAR_I8,
         "pagedserve_linear_panel", "", "pagedserve_linear_bf16_panel", "",
         "pagedserve_quant_linear_panel", "", "pagedserve_quant_linear_i8_panel", "",
-        "pagedserve_decoder_layers", FMT_DECODER_LAYERS);
+        "pagedserve_decoder_layers", FMT_DECODER_LAYERS, "pagedserve_lora_delta", FMT_LORA_DELTA);
     if (!signatures || PyModule_AddObject(m, "SIGNATURES", signatures)) {
         Py_XDECREF(signatures);
         Py_DECREF(m);
