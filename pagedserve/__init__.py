@@ -18,6 +18,7 @@ _EXPORTS = {
     "LLM": "pagedserve.replicas.llm",
     "EngineConfig": "pagedserve.replicas.config",
     "SamplingParams": "pagedserve.replicas.core.sampling_params",
+    "LoRARequest": "pagedserve.replicas.core.lora_request",
     "RequestOutput": "pagedserve.replicas.core.outputs",
     "CompletionOutput": "pagedserve.replicas.core.outputs",
     "Logprob": "pagedserve.replicas.core.outputs",

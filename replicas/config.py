@@ -68,6 +68,13 @@ class EngineConfig(BaseModel):
     # A decoder that also answers embeddings: its final hidden states pooled at the last token or
     # averaged (then normalized). None: it only generates. Encoders pool as their checkpoint says.
     pooling: Literal["last", "mean"] | None = None
+    # LoRA adapters on the base model (vLLM's names): max_loras adapters can run in one step, each
+    # in a slot of a pool sized by max_lora_rank; max_cpu_loras are kept loaded in memory (None:
+    # max_loras), the least recently used dropped past it.
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)
 
     @field_validator("cpu_bind")
     @classmethod
@@ -82,4 +89,9 @@ class EngineConfig(BaseModel):
         if self.cpu_bind not in ("auto", "off") and self.tensor_parallel_size > 1:
             raise ValueError("cpu_bind: a CPU list binds one process; tensor-parallel ranks are "
                              "separate processes (use auto or off)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not sharded across tensor-parallel "
+                             "ranks yet (use tensor_parallel_size 1)")
         return self

@@ -11,6 +11,7 @@ from pagedserve.replicas.config import EngineConfig
 from pagedserve.replicas.model_files.embedding_model import resolve_model_name, uses_encoder
 from pagedserve.replicas.engine.encoder_engine import EmbedInput, EncoderEngine
 from pagedserve.replicas.engine.llm_engine import LLMEngine, PromptInput
+from pagedserve.replicas.core.lora_request import LoRARequest
 from pagedserve.replicas.core.outputs import RequestOutput
 from pagedserve.replicas.core.pooling import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
 from pagedserve.replicas.core.sampling_params import RequestOutputKind, SamplingParams
@@ -64,15 +65,23 @@ class LLM:
 
     def generate(self, prompts: PromptInput | SequenceABC[PromptInput],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
-        """Outputs come back in the order of the prompts. `priority` (one per prompt) needs
-        scheduling_policy="priority"."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+                 priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
+        """Outputs come back in the order of the prompts. `lora_request` (one, or one per prompt)
+        needs enable_lora; `priority` (one per prompt) needs scheduling_policy="priority"."""
         if self.llm_engine is None:
             raise ValueError("this model is an embedding model: it does not generate (use embed())")
         prompts = _as_prompt_list(prompts)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -83,8 +92,8 @@ class LLM:
         ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         # Only the finished outputs are read: no output is built for a request until then.
         requests = [engine.make_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                                        priority=prio)
-                    for rid, p, sp, prio in zip(ids, prompts, params, priorities)]
+                                        priority=prio, lora_request=lora)
+                    for rid, p, sp, prio, lora in zip(ids, prompts, params, priorities, loras)]
         results: dict[str, RequestOutput] = {}
         try:
             for request in requests:
@@ -96,7 +105,7 @@ class LLM:
                         if output.finished:
                             results[output.request_id] = output
                             bar.update(1)
-                    for _, exc in engine.take_failures():  # a grammar that did not compile
+                    for _, exc in engine.take_failures():  # a grammar or an adapter that failed
                         raise exc
         finally:  # an interrupt must not leave requests holding KV blocks
             for rid in ids:
@@ -106,7 +115,9 @@ class LLM:
 
     def chat(self, messages: Conversation | SequenceABC[Conversation],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+             chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         if self.llm_engine is None:
             raise ValueError("this model is an embedding model: it does not generate (use embed())")
@@ -118,7 +129,7 @@ class LLM:
                                                  add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _as_prompt_list(prompts) -> list[PromptInput]:

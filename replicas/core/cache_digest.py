@@ -104,6 +104,8 @@ class RoutingReporter:
             "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0.0)),
             # Wall clock of the engine's last sampled token (None: never): the ingress's readiness.
             "last_generation_time": stats.get("last_generation_time"),
+            # The LoRA adapters it holds in memory (their ids): the router prefers these replicas.
+            "lora_resident_ids": stats.get("lora_resident_ids", []),
         }
 
 

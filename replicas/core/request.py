@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedserve.replicas.core.detokenizer import IncrementalDetokenizer
+from pagedserve.replicas.core.lora_request import LoRARequest
 from pagedserve.replicas.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedserve.replicas.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.replicas.core.sequence import FINISHED, Sequence
@@ -35,6 +36,13 @@ class Request:
     # Under structured outputs, the Future of its compiled grammar (pagedserve.replicas.structured).
     grammar: Future | None = None
     embedding: list[float] | None = None  # a pooling request's, once its prompt has been run
+    lora: LoRARequest | None = None  # the adapter it runs with
+    # While its adapter loads, the Future of the load (the engine's LoRAManager.load).
+    adapter: Future | None = None
+
+    def waits_on(self) -> list[Future]:
+        """What must be done before it can be scheduled: its grammar, its adapter."""
+        return [f for f in (self.grammar, self.adapter) if f is not None]
 
     @property
     def finished(self) -> bool:

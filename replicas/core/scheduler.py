@@ -53,7 +53,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
+                 max_loras: int | None = None):
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {policy!r}: use one of {SCHEDULING_POLICIES}")
         self.policy = policy
@@ -62,6 +63,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences, at most
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -126,9 +128,15 @@ class Scheduler:
                 i += 1
                 continue
             break
-        # Admit waiting sequences in policy order, unless this step had to preempt.
+        # Admit waiting sequences in policy order, unless this step had to preempt. One whose
+        # adapter would be one too many waits for a slot; those behind it may still go.
+        loras = {s.lora_id for s in self.running if s.lora_id} if self.max_loras else set()
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.max_loras and seq.lora_id and seq.lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_cached = [], 0
             params = seq.sampling_params
             # Prompt logprobs and pooling need every position's hidden state: no cache hits.
@@ -150,6 +158,9 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
             self._add_scheduled(out, seq, num_new)
             budget -= num_new
+            if self.max_loras and seq.lora_id:
+                loras.add(seq.lora_id)
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.replicas.core.block_hash import hash_block, ROOT_HASH
+from pagedserve.replicas.core.block_hash import hash_block
+from pagedserve.replicas.core.lora_request import adapter_root_hash
 from pagedserve.replicas.core.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Sequence:
     # Its GrammarMatcher under structured outputs, else None; the control plane only carries it.
     grammar: Any = field(default=None, repr=False)
     priority: int = 0  # under the priority policy: lower is served first
+    lora_id: int = 0  # its LoRA adapter's lora_int_id; 0: the base model
 
     @property
     def schedule_key(self) -> tuple[int, float, int]:
@@ -101,7 +103,7 @@ class Sequence:
         return self.token_ids[:num_blocks * self.block_size]
 
     def _extend_hashes(self) -> None:
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        parent = self.block_hashes[-1] if self.block_hashes else adapter_root_hash(self.lora_id)
         for i in range(len(self.block_hashes), self.num_tokens // self.block_size):
             parent = hash_block(parent, self.block_tokens(i))
             self.block_hashes.append(parent)

@@ -14,10 +14,14 @@ REPLICA_GAUGES = {
                                        "Share of the last seconds spent on per-token work"),
     "pagedserve_kv_working_set": ("kv_working_set",
                                   "Prompt blocks reused within a minute, in replicas' KV caches"),
+    "pagedserve_lora_resident": ("lora_num_resident", "LoRA adapters held in memory"),
 }
 REPLICA_COUNTERS = {
     "pagedserve_num_preemptions": ("num_preemptions", "Sequences preempted (recomputed later)"),
     "pagedserve_engine_steps": ("num_steps", "Engine steps run"),
+    "pagedserve_lora_loads": ("lora_loads", "LoRA adapters read into memory"),
+    "pagedserve_lora_evictions": ("lora_evictions", "LoRA adapters dropped from memory (LRU)"),
+    "pagedserve_lora_slot_loads": ("lora_slot_loads", "LoRA adapters copied into a batch slot"),
 }
 
 

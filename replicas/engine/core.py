@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 import traceback
+from concurrent.futures import Future
 
 from pagedserve.replicas.engine import cpu_binding, protocol
 from pagedserve.replicas.core.cache_digest import RoutingReporter, StepReport, step_report
@@ -48,6 +49,7 @@ STATS_PERIOD_S = 0.1
 # they reach zero, so the autoscaler does not read a replica idle for minutes as busy.
 IDLE_STATS_PERIOD_S = 1.0
 DIGEST_PERIOD_S = 1.0  # the routing digest's period, to every client
+ADAPTER_POLL_S = 0.005  # an idle core loading an adapter for LoadAdapter looks this often
 PROBE_ID_PREFIX = "readiness-probe-"  # the idle core's own one-token requests
 PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
@@ -83,6 +85,7 @@ class EngineCore:
         self.routing = RoutingReporter(self)  # runs here: the KV-event log is the block manager's
         self.owners: dict[str, Client] = {}  # request id -> the client that sent it
         self.failures: list[tuple[str, Failure]] = []
+        self.adapter_loads: list[tuple[Client, str, Future]] = []  # LoadAdapter, until answered
         self.draining = False
         self.last_generation_time: float | None = None
         self._probe_ids = itertools.count()
@@ -117,7 +120,7 @@ class EngineCore:
         server = self.server
         while True:
             busy = self.engine.has_unfinished_requests() or self.failures
-            timeout = 0.0 if busy else self._idle_wait_s()
+            timeout = 0.0 if busy else ADAPTER_POLL_S if self.adapter_loads else self._idle_wait_s()
             for sock in select.select([link, *server.sockets()], [], [], timeout)[0]:
                 if sock is not link:
                     server.on_readable(sock)
@@ -135,6 +138,8 @@ class EngineCore:
                 self._abort(request_id)
             for client, message in server.take_received():
                 self._handle(client, message)
+            if self.adapter_loads:
+                self._answer_adapter_loads()
             self._probe_if_due()
             # Stats before the step too: a step that hangs must find the replica knowing the
             # core has work (its stall check reads them).
@@ -159,6 +164,28 @@ class EngineCore:
                     self._abort(request_id)
         elif isinstance(message, protocol.QueuedHere):
             client.num_queued = max(0, message.num_requests)
+        elif isinstance(message, protocol.LoadAdapter):
+            try:
+                self.adapter_loads.append((client, message.request_id,
+                                           self.engine.load_adapter(message.lora)))
+            except (ValueError, AttributeError) as exc:  # LoRA off, or an engine without it
+                self.server.send(client, protocol.AdapterLoaded(message.request_id, str(exc)))
+        elif isinstance(message, protocol.UnloadAdapter) and hasattr(self.engine, "remove_adapter"):
+            self.engine.remove_adapter(message.lora_int_id)
+
+    def _answer_adapter_loads(self) -> None:
+        waiting = []
+        for client, request_id, future in self.adapter_loads:
+            if not future.done():
+                waiting.append((client, request_id, future))
+                continue
+            try:
+                self.engine.lora.admit(future)
+                error = None
+            except ValueError as exc:  # the adapter's own problem: the ingress answers 400
+                error = str(exc)
+            self.server.send(client, protocol.AdapterLoaded(request_id, error))
+        self.adapter_loads = waiting
 
     def _add(self, client: Client, add: protocol.AddRequest) -> None:
         request_id = add.request_id
@@ -173,7 +200,8 @@ class EngineCore:
         try:
             engine.add(engine.make_request(
                 request_id, {"prompt_token_ids": add.prompt_token_ids,
-                             "block_hashes": add.block_hashes}, add.params, priority=add.priority))
+                             "block_hashes": add.block_hashes}, add.params, priority=add.priority,
+                lora_request=add.lora))
         except ValueError as exc:
             return self._fail_now(client, Failure(request_id, protocol.INVALID, str(exc),
                                                   getattr(exc, "param", None)))

@@ -147,7 +147,11 @@ class EncoderRequests:
         self.num_arrived = 0
         self.num_generation_tokens = 0  # embeddings made: the core's proof that it serves
 
-    def make_request(self, request_id: str, prompt: dict, params=None, priority: int = 0):
+    def make_request(self, request_id: str, prompt: dict, params=None, priority: int = 0,
+                     lora_request=None):
+        if lora_request is not None:
+            raise ParamError("model", "LoRA adapters apply to the generation model, not to this "
+                             "embedding model")
         token_ids = list(prompt["prompt_token_ids"])
         self.encoder.check(token_ids)
         return request_id, token_ids

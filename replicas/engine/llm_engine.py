@@ -21,11 +21,14 @@ from pagedserve.replicas.execution.model_runner import ModelRunner, RunnerOutput
 from pagedserve.replicas.core.outputs import RequestOutput
 from pagedserve.replicas.core.request import PromptInput, Request
 from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
+from pagedserve.replicas.engine.pending import PendingRequests
 from pagedserve.replicas.core.sampling_params import ParamError, SamplingParams
 from pagedserve.replicas.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.replicas.core.sequence import Sequence, SequenceStatus
 from pagedserve.replicas.core.step_load import StepLoad
-from pagedserve.replicas.structured import GrammarCompiler, PendingGrammars, attach_grammar
+from pagedserve.replicas.lora.adapter import AdapterError
+from pagedserve.replicas.structured import GrammarCompiler, attach_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +51,12 @@ class LLMEngine:
             sliding_window=kv_window_of(getattr(self.runner.model, "sliding_windows", None)))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   config.max_loras if config.enable_lora else None)
+        self.lora = self.runner.lora  # the LoRAManager under enable_lora, else None
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
-        self.pending_grammars = PendingGrammars()
+        self.pending = PendingRequests(self._admit)  # grammars compiling, adapters loading
         self.num_steps = 0
         self.step_load = StepLoad()  # the autoscaler's compute signal
         self.num_prompt_tokens = 0
@@ -60,13 +65,15 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                     arrival_time: float | None = None, priority: int = 0) -> Request:
+                     arrival_time: float | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize; touches no engine state, so it is safe from any thread.
 
         What only the engine knows is checked here (the context it serves, its KV capacity, its
         max_logprobs); `SamplingParams` checked itself when it was made. A dict prompt may carry
-        the prompt's `block_hashes` (the ingress computed them to route it): its sequences use
-        them instead of hashing the prompt again. Errors are `ParamError`s naming the field.
+        the prompt's `block_hashes` (the ingress computed them to route it, chained from the
+        adapter's root): its sequences use them instead of hashing the prompt again. Errors are
+        `ParamError`s naming the field.
         """
         params = (params or SamplingParams()).clone()
         text, token_ids, hashes = self._tokenize(prompt)
@@ -99,16 +106,20 @@ class LLMEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ParamError("priority", f"got priority {priority} but priority scheduling is not "
                              f"enabled (scheduling_policy=priority)")
+        if lora_request is not None and self.lora is None:
+            raise ParamError("model", f"LoRA adapter {lora_request.lora_name!r} requested, but "
+                             "LoRA is not enabled (enable_lora)")
+        lora_id = lora_request.lora_int_id if lora_request is not None else 0
         params.eos_token_ids = set(self.eos_token_ids)
         request = Request(request_id, text, token_ids, params,
-                          arrival_time=arrival_time or time.monotonic())
+                          arrival_time=arrival_time or time.monotonic(), lora=lora_request)
         if hashes is None:
-            hashes = block_hashes(token_ids, self.block_size)
+            hashes = block_hashes(token_ids, self.block_size, adapter_root_hash(lora_id))
         for i in range(params.n):
             seq = Sequence(request_id, token_ids, params, self.block_size, index=i,
                            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                            arrival_time=request.arrival_time, block_hashes=list(hashes),
-                           priority=priority)
+                           priority=priority, lora_id=lora_id)
             request.seqs.append(seq)
             request.detokenizers.append(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -123,16 +134,29 @@ class LLMEngine:
             request.grammar = self.grammars.compile(params.structured_outputs)
         return request
 
+    def load_adapter(self, lora: LoRARequest):
+        """Read and check an adapter now, off the engine loop: a Future of it (or of its
+        AdapterError). Requests need not wait for this: one whose adapter is not loaded waits
+        while it loads."""
+        if self.lora is None:
+            raise ParamError("lora_name", "LoRA is not enabled on this engine (enable_lora)")
+        return self.lora.load(lora)
+
+    def remove_adapter(self, lora_id: int) -> bool:
+        """Forget an adapter; requests still holding it keep it until they finish."""
+        return self.lora is not None and self.lora.remove(lora_id)
+
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.num_arrived += 1
-        if request.grammar is not None and not request.grammar.done():
+        if request.lora is not None:
+            request.adapter = self.lora.load(request.lora)
+        if not all(f.done() for f in request.waits_on()):
             self.requests[request.request_id] = request
-            self.pending_grammars.add(request)  # the scheduler sees it once it has compiled
+            self.pending.add(request)  # the scheduler sees it once it is ready
             return
-        if request.grammar is not None:
-            attach_grammar(request)  # raises the ParamError of a grammar that failed
+        self._admit(request)  # raises the ParamError of a grammar or an adapter that failed
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -145,9 +169,11 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if self.pending_grammars.pop(request_id) is not None:  # never reached the scheduler
+        if self.pending.pop(request_id) is not None:  # never reached the scheduler
             for seq in request.seqs:
                 seq.status = SequenceStatus.FINISHED_ABORTED
+        else:
+            self._release_adapter(request)
         for seq in request.seqs:
             self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
         request.finish_time = time.monotonic()
@@ -168,13 +194,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns an output for every request that advanced or finished (only
         the finished ones under RequestOutputKind.FINAL_ONLY)."""
-        if self.pending_grammars:
-            self._admit_compiled()
+        if self.pending:
+            self._admit_pending()
         began = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self.pending_grammars:  # nothing else to do: wait a moment for a grammar
-                self.pending_grammars.wait(0.01)
+            if self.pending:  # nothing else to do: wait a moment for a grammar or an adapter
+                self.pending.wait(0.01)
             return []
         try:
             runner_output = self.runner.execute(scheduler_output)
@@ -220,6 +246,7 @@ class LLMEngine:
             if request.finished:
                 request.finish_time = now
                 del self.requests[request.request_id]
+                self._release_adapter(request)
             if request.wants_output:
                 outputs.append(request.output())
         return outputs
@@ -227,13 +254,13 @@ class LLMEngine:
     def take_failures(self) -> list[tuple[str, ParamError]]:
         """Requests that ended with an error of their own since the last call (a grammar that
         failed to compile), as (request_id, error); they produce no output."""
-        failures, self.pending_grammars.failures = self.pending_grammars.failures, []
+        failures, self.pending.failures = self.pending.failures, []
         return failures
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: scheduled or waiting for their grammar."""
-        return self.scheduler.num_waiting + len(self.pending_grammars)
+        """Requests not yet running: scheduled or waiting for their grammar or adapter."""
+        return self.scheduler.num_waiting + len(self.pending)
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -256,15 +283,33 @@ class LLMEngine:
             "kv_slot_waste": bm.kv_slot_waste,
             **autoscaling_inputs(bm, self.step_load, time.monotonic()),
             **self.runner.platform,  # dtype, kv_cache_dtype, cpu: model, level, flags, kernels
+            **(self.lora.stats() if self.lora is not None else {}),
         }
 
     # -- internals --------------------------------------------------------------------------
-    def _admit_compiled(self) -> None:
-        for request in self.pending_grammars.take_ready():
+    def _admit_pending(self) -> None:
+        for request in self.pending.take_ready():
             for seq in request.seqs:
                 self.scheduler.add(seq)
-        for request_id, _ in self.pending_grammars.failures:
+        for request_id, _ in self.pending.failures:
             self.requests.pop(request_id, None)
+
+    def _admit(self, request: Request) -> None:
+        """A request whose grammar and adapter are ready: its matchers attached, its adapter in
+        memory and held until it ends. Raises the ParamError of either that failed."""
+        if request.grammar is not None:
+            attach_grammar(request)
+        if request.adapter is not None:
+            try:
+                self.lora.admit(request.adapter)
+            except AdapterError as exc:
+                raise ParamError("model", f"LoRA adapter {request.lora.lora_name!r}: {exc}") from None
+            request.adapter = None
+            self.lora.acquire(request.lora.lora_int_id)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora is not None and request.adapter is None:
+            self.lora.release(request.lora.lora_int_id)
 
     def _advance_grammar(self, seq: Sequence) -> None:
         """After a sampled token: the grammar follows; complete, the sequence stops there."""

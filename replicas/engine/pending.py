@@ -1,27 +1,23 @@
-"""Requests waiting for their grammar: outside the scheduler until it has compiled."""
+"""Requests waiting for what they need before they can be scheduled: their grammar compiled, their
+LoRA adapter loaded. Both happen off the engine loop; the requests stay outside the scheduler
+until then."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 
 from pagedserve.replicas.core.request import Request
 from pagedserve.replicas.core.sampling_params import ParamError
 from pagedserve.replicas.core.sequence import SequenceStatus
-from pagedserve.replicas.structured.matcher import GrammarMatcher
 
 
-def attach_grammar(request: Request) -> None:
-    """Give each of the request's sequences its own matcher; raises the ParamError of a grammar
-    that failed to compile."""
-    start = request.grammar.result()
-    for seq in request.seqs:
-        seq.grammar = GrammarMatcher(start.deep_copy())
+class PendingRequests:
+    """`add` a request whose grammar or adapter is not ready; `take_ready()` hands back those now
+    ready (passed through `admit`, which raises the ParamError of what failed) and keeps those
+    that failed, as (request_id, ParamError), in `failures`."""
 
-
-class PendingGrammars:
-    """`add` a request whose grammar is compiling; `take_ready()` hands back those now ready
-    (matchers attached) and keeps those that failed, as (request_id, ParamError), in `failures`."""
-
-    def __init__(self) -> None:
+    def __init__(self, admit: Callable[[Request], None]) -> None:
+        self.admit = admit
         self.requests: dict[str, Request] = {}
         self.failures: list[tuple[str, ParamError]] = []
 
@@ -37,11 +33,11 @@ class PendingGrammars:
     def take_ready(self) -> list[Request]:
         ready = []
         for request_id, request in list(self.requests.items()):
-            if not request.grammar.done():
+            if not all(f.done() for f in request.waits_on()):
                 continue
             del self.requests[request_id]
             try:
-                attach_grammar(request)
+                self.admit(request)
             except ParamError as exc:
                 for seq in request.seqs:
                     seq.status = SequenceStatus.FINISHED_ABORTED
@@ -51,7 +47,7 @@ class PendingGrammars:
         return ready
 
     def wait(self, timeout_s: float) -> None:
-        """Block until one grammar is done or timeout_s passed (when the engine has nothing
+        """Block until one of them is done or timeout_s passed (when the engine has nothing
         else to do: better than spinning)."""
-        wait([r.grammar for r in self.requests.values()], timeout=timeout_s,
-             return_when=FIRST_COMPLETED)
+        futures = [f for r in self.requests.values() for f in r.waits_on()]
+        wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)

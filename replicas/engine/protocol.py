@@ -6,8 +6,8 @@ whose first item is the message's tag), encoded as MessagePack behind a 4-byte l
 both ways; nothing on the wire is ever unpickled. A client opens with `Hello` (the protocol's
 version and the core's token); the core answers a version it does not speak by closing.
 
-    ingress -> core:  Hello, AddRequest, Abort, QueuedHere
-    core -> ingress:  CoreOutputs (one per engine step with something for that ingress)
+    ingress -> core:  Hello, AddRequest, Abort, QueuedHere, LoadAdapter, UnloadAdapter
+    core -> ingress:  CoreOutputs (one per engine step with something for that ingress), AdapterLoaded
     replica -> core:  Start, Drain, Stop          core -> replica:  Ready | StartFailed, Stats, Died
 
 A request's outputs are `pagedserve.replicas.core.outputs.RequestOutput` deltas carrying token ids: the ingress
@@ -21,6 +21,7 @@ from typing import Any, Union
 import msgspec
 
 from pagedserve.replicas.core.cache_digest import StepReport
+from pagedserve.replicas.core.lora_request import LoRARequest
 from pagedserve.replicas.core.outputs import RequestOutput
 from pagedserve.replicas.core.sampling_params import SamplingParams
 
@@ -51,6 +52,16 @@ class AddRequest(_Message):
     params: SamplingParams
     priority: int = 0
     block_hashes: list[int] | None = None  # the prompt's prefix-cache chain, as the router hashed it
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+
+class LoadAdapter(_Message):
+    """Load and check an adapter now (POST /v1/load_lora_adapter): the core answers
+    `AdapterLoaded`. Requests need not wait for it: one naming an adapter the core lacks
+    waits while the core loads it."""
+
+    request_id: str
+    lora: LoRARequest
 
 
 class Abort(_Message):
@@ -62,6 +73,12 @@ class QueuedHere(_Message):
     them in the queue depth it reports for autoscaling."""
 
     num_requests: int
+
+
+class UnloadAdapter(_Message):
+    """Forget an adapter (POST /v1/unload_lora_adapter); its requests in flight finish with it."""
+
+    lora_int_id: int
 
 
 # -- core -> ingress --------------------------------------------------------------------------------
@@ -89,6 +106,13 @@ class CoreOutputs(_Message):
     report: StepReport | None = None
     digest: dict[str, Any] | None = None
     draining: bool = False  # the core takes no new requests: route elsewhere
+
+
+class AdapterLoaded(_Message):
+    """The answer to `LoadAdapter`: error None, or why the adapter cannot be served (a 400)."""
+
+    request_id: str
+    error: str | None = None
 
 
 # -- replica <-> core -------------------------------------------------------------------------------
@@ -127,8 +151,8 @@ class Stop(_Message):
     pass
 
 
-ToCore = Union[Hello, AddRequest, Abort, QueuedHere, Start, Drain, Stop]
-FromCore = Union[CoreOutputs, Ready, StartFailed, Stats, Died]
+ToCore = Union[Hello, AddRequest, Abort, QueuedHere, LoadAdapter, UnloadAdapter, Start, Drain, Stop]
+FromCore = Union[CoreOutputs, AdapterLoaded, Ready, StartFailed, Stats, Died]
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -79,6 +79,11 @@ class ModelRunner:
         if kv_window_of(getattr(self.model, "sliding_windows", None)) is None:
             max_blocks_per_seq = min(max_blocks_per_seq, self.num_blocks)
         self.pooler = PromptPooler()
+        self.lora = None  # the LoRAManager, under enable_lora
+        if config.enable_lora:
+            from pagedserve.replicas.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, self.dtype, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
                                       max_blocks_per_seq, self.block_size, self.device)
         logger.info("kv cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -108,6 +113,9 @@ class ModelRunner:
         for seq in out.preempted:  # its blocks are gone; it rejoins with a new table
             self.input_batch.release(seq.seq_id)
         step = self.input_batch.prepare(out.scheduled)
+        if self.lora is not None:
+            self.lora.prepare([s.seq.lora_id for s in out.scheduled],
+                              [s.num_new_tokens for s in out.scheduled])
         spans = self._prompt_logprob_spans(out, step.query_start_loc)
         if self.workers is not None:
             self._send_step(step, spans)
@@ -127,6 +135,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any."""
+        if self.lora is not None:
+            self.lora.shutdown()
         if self.workers is not None:
             self.workers.shutdown()
 

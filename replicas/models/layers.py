@@ -97,11 +97,13 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _weight(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
         self.packed: cpu_linear.PackedWeight | None = None  # set by pack(), after loading
         self.quant: QuantParts | None = None  # the weight's parts, if it came quantized
         self.packed_quant: list | None = None  # pack_quantized's results, if it came quantized
+        self.lora = None  # its LoRA slots (replicas/lora/slots.py) when adapters are enabled
         self.device = torch.device(device)
 
     def load_quantized(self, first_row: int, weight: QuantWeight) -> None:
@@ -126,10 +128,15 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_quant is not None:
             if len(self.packed_quant) == 1:
-                return quantized_linear(x, self.packed_quant[0], self.bias)
-            out = torch.cat([quantized_linear(x, part) for part in self.packed_quant], dim=-1)
-            return out if self.bias is None else out + self.bias
-        return cpu_linear.linear(x, self.weight, self.packed, self.bias)
+                out = quantized_linear(x, self.packed_quant[0], self.bias)
+            else:
+                out = torch.cat([quantized_linear(x, part) for part in self.packed_quant], dim=-1)
+                out = out if self.bias is None else out + self.bias
+        else:
+            out = cpu_linear.linear(x, self.weight, self.packed, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, out)
+        return out
 
 
 class Embedding(nn.Module):

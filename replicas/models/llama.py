@@ -66,6 +66,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.dtype = dtype
         self.decoder_stack: DecoderStack | None = None  # set by after_packing where it applies
+        self.lora_step = None  # under LoRA: a step whose rows run adapters takes the layer loop
 
     def after_packing(self) -> None:
         """Decode steps go through every layer in one native call where the layers qualify
@@ -85,8 +86,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb(positions)  # gathered once, shared by every layer
-        done = self.decoder_stack is not None and self.decoder_stack.run(hidden, *rotary, kv_caches,
-                                                                         attn_metadata)
+        lora_rows = self.lora_step is not None and self.lora_step.token_slots is not None
+        done = (self.decoder_stack is not None and not lora_rows
+                and self.decoder_stack.run(hidden, *rotary, kv_caches, attn_metadata))
         if done:
             hidden, residual = done
         else:

@@ -25,6 +25,8 @@ from pagedserve.replicas.parallel import state as parallel_state
 
 
 class SparseMoE(nn.Module):
+    takes_lora = False  # the experts see the step's rows regrouped by expert (replicas/lora/targets.py)
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, act: str,
                  dtype: torch.dtype, device):
         super().__init__()

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import llguidance
+
+if TYPE_CHECKING:
+    from pagedserve.replicas.core.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -42,3 +46,11 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (or broke): the sequence ends."""
         return self.matcher.is_stopped()
+
+
+def attach_grammar(request: Request) -> None:
+    """Give each of the request's sequences its own matcher; raises the ParamError of a grammar
+    that failed to compile."""
+    start = request.grammar.result()
+    for seq in request.seqs:
+        seq.grammar = GrammarMatcher(start.deep_copy())

@@ -10,7 +10,7 @@ FOLDERS = {"serve_app": "pagedserve.serve_app", "replicas": "pagedserve.replicas
            "kernels": "pagedserve.kernels"}
 P = "pagedserve.replicas."
 ENGINE_SIDE = [P + "engine", P + "execution", P + "models", P + "parallel", P + "quant",
-               P + "structured", P + "deployment", P + "llm"]
+               P + "structured", P + "deployment", P + "llm", P + "lora"]
 
 # module prefix -> import prefixes it must not make
 FORBIDDEN = {

@@ -39,7 +39,8 @@ def test_first_digest_snapshots_cached_hashes_including_free_ones():
     assert digest == {"version": DIGEST_VERSION, "time": 123.0, "block_size": BS,
                       "kv_events": wire_stream(1, [], snapshot), "num_waiting": 2,
                       "num_running": 1, "kv_cache_usage": 0.25, "num_arrived": None,
-                      "prefix_cache_hit_rate": 0.5, "last_generation_time": None}
+                      "prefix_cache_hit_rate": 0.5, "last_generation_time": None,
+                      "lora_resident_ids": []}
 
 
 def test_later_digests_carry_events_not_the_cache():
