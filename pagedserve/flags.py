@@ -82,6 +82,7 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     Flag("lora_modules", ("--lora-modules",), many=True),
     Flag("max_loras", ("--max-loras",)),
     Flag("max_lora_rank", ("--max-lora-rank",)),
+    Flag("max_cpu_loras", ("--max-cpu-loras",)),
     Flag("api_keys", ("--api-key",), own=False),
     Flag("host", ("--host",)),
     Flag("port", ("--port",)),

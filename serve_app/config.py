@@ -17,6 +17,8 @@ from pagedserve.serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
 from pagedserve.serve_app.limits import RequestLimits
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+# vLLM's switch for the runtime adapter routes, honoured as the setting's default.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 DEFAULTS = dict(
     num_replicas=1,
@@ -54,6 +56,8 @@ class IngressSettings(BaseModel):
     http_host: str
     http_port: int | None
     max_ongoing_requests: int
+    lora_modules: dict[str, str]  # LoRA adapters served from the start: name -> path
+    allow_runtime_lora_updating: bool
 
 
 class ServeSettings(RequestLimits):
@@ -66,6 +70,12 @@ class ServeSettings(RequestLimits):
         default_factory=lambda: EngineConfig(num_threads=DEFAULTS["num_threads"]))
     # Empty: no authentication. Read from PAGEDSERVE_API_KEYS when not given.
     api_keys: list[str] = Field(default_factory=list)
+    # LoRA adapters (engine setting enable_lora) served from the start, as vLLM's --lora-modules:
+    # "name=path" or JSON {"name": ..., "path": ...} each. Requests select one with model=name.
+    lora_modules: list[str] = Field(default_factory=list)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter, behind the API keys (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, read when this is not given).
+    allow_runtime_lora_updating: bool = False
 
     # Replicas. min/max_replicas turn on autoscaling around target_queue_depth.
     num_replicas: int = Field(DEFAULTS["num_replicas"], ge=1)
@@ -138,6 +148,31 @@ class ServeSettings(RequestLimits):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value):
+        if isinstance(value, str):  # one command-line value: several, space or comma separated
+            return value.replace(",", " ").split()
+        return value
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_modules as name -> path."""
+        adapters: dict[str, str] = {}
+        for module in self.lora_modules:
+            if module.lstrip().startswith("{"):
+                spec = json.loads(module)
+                name, path = spec.get("name"), spec.get("path")
+            else:
+                name, _, path = module.partition("=")
+            if not name or not path:
+                raise ValueError(f"lora_modules: {module!r} is not name=path or "
+                                 '{"name": ..., "path": ...}')
+            if name in adapters:
+                raise ValueError(f"lora_modules: the name {name!r} is given twice")
+            adapters[name] = path
+        return adapters
+
     @field_validator("request_router_kwargs", mode="before")
     @classmethod
     def _parse_kwargs(cls, value):
@@ -149,6 +184,12 @@ class ServeSettings(RequestLimits):
                 and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas "
                              f"({self.max_replicas})")
+        adapters = self.lora_adapters
+        if (adapters or self.allow_runtime_lora_updating) and not self.engine.enable_lora:
+            raise ValueError("lora_modules and allow_runtime_lora_updating need enable_lora")
+        for name in adapters:
+            if name == (self.engine.served_model_name or self.engine.model):
+                raise ValueError(f"lora_modules: {name!r} is the base model's name")
         return self
 
     @property
@@ -195,6 +236,8 @@ class ServeSettings(RequestLimits):
                                http_host=self.host,
                                http_port=self.port if self.direct_http else None,
                                max_ongoing_requests=self.ingress_max_ongoing_requests,
+                               lora_modules=self.lora_adapters,
+                               allow_runtime_lora_updating=self.allow_runtime_lora_updating,
                                limits=RequestLimits.model_validate(
                                    {k: getattr(self, k) for k in RequestLimits.model_fields}))
 
@@ -248,6 +291,8 @@ class ServeSettings(RequestLimits):
                 engine_args[key] = None
         if "api_keys" not in args and env.get(API_KEYS_ENV):
             args["api_keys"] = env[API_KEYS_ENV]
+        if "allow_runtime_lora_updating" not in args and env.get(RUNTIME_LORA_ENV):
+            args["allow_runtime_lora_updating"] = env[RUNTIME_LORA_ENV].lower() in ("1", "true")
         try:
             engine = EngineConfig.model_validate(engine_args)
             return cls.model_validate({**args, "engine": engine})

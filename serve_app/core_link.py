@@ -68,6 +68,10 @@ class CoreLink:
         if self.requests.pop(request_id, None) is not None and not self.closed:
             self.writer.write(protocol.frame(protocol.Abort([request_id])))
 
+    def send(self, message) -> None:
+        """A control message (LoadAdapter, UnloadAdapter)."""
+        self.writer.write(protocol.frame(message))
+
     def queued(self, num_requests: int) -> None:
         if num_requests != self.num_queued and self.connected and not self.closed:
             self.num_queued = num_requests

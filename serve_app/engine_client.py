@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
+from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
 from pagedserve.replicas.engine import cpu_binding, protocol
 from pagedserve.serve_app import errors
 from pagedserve.serve_app.core_link import CoreLink
@@ -37,6 +39,7 @@ ADMISSION_POLL_S = 0.05  # the head of the queue retries this often (room freed 
 QUEUED_REPORT_S = 0.5  # how often the cores hear of the requests waiting here for them
 # Before any core has connected (the ingress just started), a request waits this long for one.
 NO_CORE_WAIT_S = 30.0
+ADAPTER_LOAD_WAIT_S = 120.0  # a core reads and checks an adapter for a load request within this
 # With none up and scale from zero on, this long: the autoscaler's delay, then a replica's start.
 COLD_START_WAIT_S = 120.0
 
@@ -45,7 +48,8 @@ class EngineClient:
     def __init__(self, directory, routing: RoutingSettings, max_queued_requests: int,
                  retry_after_s: int, metrics: RoutingMetrics | None = None,
                  on_replica_lost: Callable[[str], None] | None = None,
-                 ask_for_replica: Callable[[], Awaitable] | None = None):
+                 ask_for_replica: Callable[[], Awaitable] | None = None,
+                 static_adapters: dict[str, str] | None = None):
         self.directory = directory  # a handle to the CoreDirectory deployment
         self.client_id = uuid.uuid4().hex
         self.router = RouterState(routing)
@@ -65,6 +69,10 @@ class EngineClient:
         self._asking: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._version = -1
+        self.adapters: dict[str, LoRARequest] = {}  # the LoRA adapters served, by name
+        self.static_adapters = static_adapters or {}  # lora_modules: name -> path
+        self._listed = asyncio.Event()  # the directory's adapters have been read once
+        self._adapter_loads: dict[str, asyncio.Future] = {}  # LoadAdapter sent, by request id
         self._connected = asyncio.Event()
         self._ever_connected = False
 
@@ -88,12 +96,39 @@ class EngineClient:
     async def _watch(self) -> None:
         while True:
             try:
-                self._version, entries = await self.directory.watch.remote(self._version)
+                self._version, entries, adapters = await self.directory.watch.remote(self._version)
             except Exception as exc:  # noqa: BLE001 - restarting: keep the links we have
                 logger.debug("core directory unavailable: %r", exc)
                 await asyncio.sleep(WATCH_RETRY_S)
                 continue
             self._reconcile({replica_id: tuple(address) for replica_id, address in entries.items()})
+            await self._list_adapters(adapters)
+
+    async def _list_adapters(self, adapters: dict[str, list]) -> None:
+        """The directory's adapters; those of lora_modules it lacks (it just started, or this
+        ingress did) are registered there first."""
+        for name, path in self.static_adapters.items():
+            if name not in adapters:
+                try:
+                    listed = await self.directory.register_adapter.remote(name, path)
+                except Exception as exc:  # noqa: BLE001 - restarting: the next listing retries
+                    logger.debug("core directory unavailable: %r", exc)
+                    continue
+                if listed is None:
+                    logger.error("lora_modules: another adapter is loaded as %r", name)
+                else:
+                    adapters[name] = listed
+        self.adapters = {name: LoRARequest(*listed) for name, listed in adapters.items()}
+        self._listed.set()
+
+    async def adapters_listed(self) -> None:
+        """Until the adapters are known (only the first requests after start wait)."""
+        if not self._listed.is_set():
+            try:
+                await asyncio.wait_for(self._listed.wait(), NO_CORE_WAIT_S)
+            except TimeoutError:
+                raise errors.unavailable("the adapters served are not known yet",
+                                         self.retry_after_s) from None
 
     def _reconcile(self, entries: dict[str, tuple[str, int, str]]) -> None:
         for replica_id, link in list(self.links.items()):
@@ -151,7 +186,13 @@ class EngineClient:
             self._connected.clear()
 
     # -- what the cores send ----------------------------------------------------------------------
-    def on_outputs(self, link: CoreLink, message: protocol.CoreOutputs) -> None:
+    def on_outputs(self, link: CoreLink, message: protocol.CoreOutputs | protocol.AdapterLoaded
+                   ) -> None:
+        if isinstance(message, protocol.AdapterLoaded):
+            future = self._adapter_loads.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.error)
+            return
         requests = link.requests
         ids, finished = [], []
         for output in message.outputs:
@@ -195,7 +236,9 @@ class EngineClient:
     def place(self, stream: RequestStream, tried: set[str]) -> CoreLink | None:
         """Send the request to the best core it has not tried; None when none is left."""
         hashes = stream.request.block_hashes or []
-        decision = self.router.choose(None, hashes, self.live_ids) if self.live_ids else None
+        lora = stream.request.lora
+        adapter_id = lora.lora_int_id if lora is not None else 0
+        decision = self.router.choose(None, hashes, self.live_ids, adapter_id) if self.live_ids else None
         if decision is None:
             return None
         stream.first_choice = decision.replica_id
@@ -204,7 +247,7 @@ class EngineClient:
             if replica_id in tried or link is None or not link.usable:
                 continue
             reason, stream.sent_at = self.router.dispatched(stream.request_id, replica_id, hashes,
-                                                            decision)
+                                                            decision, adapter_id)
             if self.metrics is not None:
                 self.metrics.record_decision(reason)
             link.add(stream)
@@ -283,11 +326,41 @@ class EngineClient:
         self.router.completed(stream.request_id)
         self._wake_waiting()
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+    async def load_adapter(self, lora: LoRARequest) -> str | None:
+        """Have one core read and check the adapter now: None, or why it cannot be served. The
+        others load it when a request for it first reaches them."""
+        live = [self.links[r] for r in self.live_ids if r in self.links]
+        if not live:
+            raise errors.unavailable("no engine replica is available to check the adapter",
+                                     self.retry_after_s)
+        request_id = uuid.uuid4().hex
+        future = self._adapter_loads[request_id] = asyncio.get_running_loop().create_future()
+        live[0].send(protocol.LoadAdapter(request_id, lora))
+        try:
+            return await asyncio.wait_for(future, ADAPTER_LOAD_WAIT_S)
+        except TimeoutError:
+            raise errors.unavailable("the engine replica did not finish loading the adapter",
+                                     self.retry_after_s) from None
+        finally:
+            self._adapter_loads.pop(request_id, None)
+
+    def unload_adapter(self, lora: LoRARequest) -> None:
+        """Every core forgets the adapter (its requests in flight finish with it)."""
+        for link in self.links.values():
+            if link.connected and not link.closed:
+                link.send(protocol.UnloadAdapter(lora.lora_int_id))
+
     # -- embeddings -------------------------------------------------------------------------------
-    async def embed(self, request_id: str, token_ids: list[list[int]], params) -> np.ndarray:
-        """One pooling request per input, in order -> float32 [len(token_ids), hidden]."""
-        streams = [self.stream(protocol.AddRequest(f"{request_id}-{i}", ids, params))
-                   for i, ids in enumerate(token_ids)]
+    async def embed(self, request_id: str, token_ids: list[list[int]], params,
+                    lora: LoRARequest | None = None, block_size: int | None = None) -> np.ndarray:
+        """One pooling request per input, in order -> float32 [len(token_ids), hidden]; with a
+        LoRA adapter, its hidden states (the prompts hashed for routing as the adapter's)."""
+        root = adapter_root_hash(lora.lora_int_id) if lora is not None else None
+        streams = [self.stream(protocol.AddRequest(
+            f"{request_id}-{i}", ids, params, 0,
+            block_hashes(ids, block_size, root) if lora is not None and block_size else None, lora))
+            for i, ids in enumerate(token_ids)]
         try:
             await asyncio.gather(*(s.prime() for s in streams))
             rows = [s.first.embedding for s in streams]

@@ -1,7 +1,7 @@
 """The HTTP surface: a FastAPI app built per ingress instance over its typed methods.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize,
-/health (liveness), /health/ready (readiness: some engine generated lately), /metrics, /version,
+/v1/load_lora_adapter and /v1/unload_lora_adapter (under allow_runtime_lora_updating), /health (liveness), /health/ready (readiness: some engine generated lately), /metrics, /version,
 /docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
 a failure after a stream started is sent as an error event, then `data: [DONE]`.
 """
@@ -19,7 +19,8 @@ from pagedserve.serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
 from pagedserve.serve_app.errors import OpenAIError
 from pagedserve.serve_app.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+    DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList,
+    TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest,
 )
 from pagedserve.serve_app.sse import CoalescingStreamingResponse
 
@@ -30,7 +31,8 @@ OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/version", "/do
                         "/redoc", "/openapi.json"})
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                  "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
-                 "/v1/embeddings": "embeddings"}
+                 "/v1/embeddings": "embeddings", "/v1/load_lora_adapter": "load_lora_adapter",
+                 "/v1/unload_lora_adapter": "unload_lora_adapter"}
 
 
 class FrontDoorMiddleware:
@@ -174,6 +176,14 @@ def build_http_app(ingress) -> FastAPI:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def create_embedding(request: EmbeddingRequest):
         return _json(await ingress.embeddings(request))
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+        return PlainTextResponse(await ingress.load_lora_adapter(request))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+        return PlainTextResponse(await ingress.unload_lora_adapter(request))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(request: TokenizeRequest):

@@ -1,7 +1,8 @@
 """The Ingress deployment: validate, tokenize, hash, send to an engine replica, shape the answer.
 
 Its typed methods (`models`, `completions`, `chat`, `embeddings`, `tokenize`, `detokenize`,
-`health`) serve both the HTTP routes (`pagedserve.serve_app.http`) and Ray handles from other jobs:
+`load_lora_adapter`, `unload_lora_adapter`, `health`) serve both the HTTP routes
+(`pagedserve.serve_app.http`) and Ray handles from other jobs:
 
     handle = serve.get_app_handle("pagedserve")
     response = await handle.chat.remote({"messages": [...], "max_tokens": 16})
@@ -13,6 +14,7 @@ output arrived, so a bad request or a full queue raises `OpenAIError` instead of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import pickle
@@ -23,6 +25,7 @@ from ray import serve
 
 from pagedserve.replicas.engine import cpu_binding, protocol
 from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
 from pagedserve.replicas.core.pooling import pooling_params
 from pagedserve.replicas.core.sampling_params import ParamError, RequestOutputKind
 from pagedserve.serve_app import embeddings, errors, formatters, limits
@@ -36,8 +39,9 @@ from pagedserve.serve_app.prompts import (
     encode,
 )
 from pagedserve.serve_app.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
-    ModelList, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse, random_id,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+    LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+    TokenizeResponse, UnloadLoRAAdapterRequest, random_id,
 )
 from pagedserve.serve_app.request_stream import RequestStream, merge_streams
 from pagedserve.serve_app.routing.metrics import RoutingMetrics
@@ -59,13 +63,15 @@ class Ingress:
     async def __init__(self, engine_replica, directory, settings: IngressSettings | dict):
         self.settings = IngressSettings.model_validate(settings)
         self.replica = engine_replica  # the control plane's calls: the model's facts, stats
+        self.directory = directory  # the cores' addresses, and the LoRA adapters served
         self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
         self.drain_s = 0.0  # reconfigure() sets it, and the router's and the queue's settings
         self.engines = EngineClient(directory, RoutingSettings(), 0, self.settings.retry_after_s,
                                     RoutingMetrics(serve.get_replica_context().app_name,
                                                    REPLICA_DEPLOYMENT),
                                     self.replica_health.mark_dead,
-                                    lambda: engine_replica.stats.remote())
+                                    lambda: engine_replica.stats.remote(),
+                                    self.settings.lora_modules)
         self.engines.start()
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
@@ -147,14 +153,70 @@ class Ingress:
 
     async def models(self) -> ModelList:
         info = await self.model_info()
-        return ModelList(data=[ModelCard(id=info.name, created=info.created, root=info.name,
-                                         max_model_len=info.max_model_len)])
+        await self.engines.adapters_listed()
+        return ModelList(data=[
+            ModelCard(id=info.name, created=info.created, root=info.name,
+                      max_model_len=info.max_model_len),
+            *(ModelCard(id=name, created=info.created, root=lora.lora_path, parent=info.name,
+                        max_model_len=info.max_model_len)
+              for name, lora in sorted(self.engines.adapters.items()))])
 
     async def _checked_model(self, model: str | None) -> ModelInfo:
+        return (await self._resolve(model))[0]
+
+    async def _resolve(self, model: str | None) -> tuple[ModelInfo, LoRARequest | None]:
+        """The model's facts, and the LoRA adapter `model` names (None: the base model); under
+        an adapter the facts carry its name, which answers and metrics show."""
         info = await self.model_info()
-        if model and model != info.name:
+        if not model or model == info.name:
+            return info, None
+        await self.engines.adapters_listed()
+        lora = self.engines.adapters.get(model)
+        if lora is None:
             raise errors.model_not_found(model)
-        return info
+        return dataclasses.replace(info, name=lora.lora_name), lora
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest | dict) -> str:
+        """vLLM's runtime load: the adapter is checked by an engine core, then served by every
+        ingress replica under its name."""
+        request = _parse(LoadLoRAAdapterRequest, request)
+        self._check_runtime_lora()
+        info = await self.model_info()
+        name = request.lora_name
+        if name == info.name:
+            raise errors.bad_request(f"{name!r} is the base model's name", "lora_name")
+        listed = await self.directory.register_adapter.remote(name, request.lora_path)
+        if listed is None:
+            raise errors.bad_request(f"The lora adapter '{name}' has already been loaded from "
+                                     "another path: unload it first.", "lora_name")
+        lora = LoRARequest(*listed)
+        error = await self.engines.load_adapter(lora)
+        if error is not None:
+            await self.directory.remove_adapter.remote(name)
+            self.engines.adapters.pop(name, None)
+            raise errors.bad_request(error, "lora_path")
+        self.engines.adapters[name] = lora  # here at once; the other ingresses as they hear
+        logger.info("LoRA adapter %r loaded (id %d)", name, lora.lora_int_id)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest | dict) -> str:
+        """vLLM's runtime unload: new requests for it get 404; those in flight finish."""
+        request = _parse(UnloadLoRAAdapterRequest, request)
+        self._check_runtime_lora()
+        listed = await self.directory.remove_adapter.remote(request.lora_name)
+        lora = self.engines.adapters.pop(request.lora_name, None)
+        if listed is None and lora is None:
+            raise OpenAIError(f"The lora adapter '{request.lora_name}' cannot be found.", 404,
+                              param="lora_name", code="model_not_found")
+        self.engines.unload_adapter(lora or LoRARequest(*listed))
+        logger.info("LoRA adapter %r unloaded", request.lora_name)
+        return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+
+    def _check_runtime_lora(self) -> None:
+        if not self.settings.allow_runtime_lora_updating:
+            raise OpenAIError("loading and unloading LoRA adapters at run time is off "
+                              "(allow_runtime_lora_updating)", 404, code="not_found")
 
     # -- completions ---------------------------------------------------------------------------
     async def completions(self, request: CompletionRequest | dict, sse: bool = False):
@@ -162,7 +224,7 @@ class Ingress:
         (`sse`: the HTTP route's, some chunks already rendered as server-sent events)."""
         deadline = self._deadline()
         request = _parse(CompletionRequest, request)
-        info = await self._checked_model(request.model)
+        info, lora = await self._resolve(request.model)
         check_serves(info, "generate")
         limits.check_completion(request, self.settings.limits, info.max_model_len)
         prompts = await completion_prompts(request, info)
@@ -173,7 +235,7 @@ class Ingress:
         started = time.monotonic()
         generate = [self._generate_request(f"{request_id}-{i}" if len(prompts) > 1 else request_id,
                                            p, request, request.max_tokens, request.logprobs,
-                                           prompt_logprobs, info, "prompt")
+                                           prompt_logprobs, info, "prompt", lora)
                     for i, p in enumerate(prompts)]
         streams = await self._start(generate, info.tokenizer, deadline)
         formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
@@ -189,7 +251,7 @@ class Ingress:
         for `completions`)."""
         deadline = self._deadline()
         request = _parse(ChatCompletionRequest, request)
-        info = await self._checked_model(request.model)
+        info, lora = await self._resolve(request.model)
         check_serves(info, "generate")
         limits.check_chat(request, self.settings.limits, info.max_model_len)
         try:
@@ -204,7 +266,8 @@ class Ingress:
         request_id = random_id("chatcmpl")
         started = time.monotonic()
         generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
-                                          num_top if request.logprobs else None, None, info, "messages")
+                                          num_top if request.logprobs else None, None, info,
+                                          "messages", lora)
         streams = await self._start([generate], info.tokenizer, deadline)
         formatter = formatters.ChatFormatter(request, info, request_id, sse, tools)
         merged = merge_streams(streams)
@@ -218,7 +281,7 @@ class Ingress:
                          ) -> embeddings.EmbeddingResponse:
         """OpenAI's embeddings: one vector per input, in order (float lists or base64)."""
         request = _parse(embeddings.EmbeddingRequest, request)
-        info = await self._checked_model(request.model)
+        info, lora = await self._resolve(request.model)
         check_serves(info, "embed")
         items = request.items()
         texts = [item for item in items if isinstance(item, str)]
@@ -232,7 +295,8 @@ class Ingress:
             token_ids = await asyncio.to_thread(tokenize)
         started = time.monotonic()
         vectors = await self.engines.embed(random_id("embd"), token_ids,
-                                           pooling_params(info.pooling or "last"))
+                                           pooling_params(info.pooling or "last"), lora,
+                                           info.block_size)
         response = embeddings.build_response(request, vectors, token_ids, info.name)
         self.metrics.record_request(info.name, started, None, response.usage.prompt_tokens, 0, 0)
         return response
@@ -278,7 +342,7 @@ class Ingress:
     # -- internals -----------------------------------------------------------------------------
     def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
                           logprobs: int | None, prompt_logprobs: int | None, info: ModelInfo,
-                          prompt_param: str) -> protocol.AddRequest:
+                          prompt_param: str, lora: LoRARequest | None = None) -> protocol.AddRequest:
         num_prompt = len(prompt.token_ids)
         limit = info.max_model_len
         if max_tokens is None and num_prompt >= limit:
@@ -309,8 +373,9 @@ class Ingress:
         wants_deltas = request.stream or bool(params.stop)
         params.output_kind = RequestOutputKind.DELTA if wants_deltas else RequestOutputKind.FINAL_ONLY
         take_text(params)
+        root = adapter_root_hash(lora.lora_int_id if lora is not None else None)
         return protocol.AddRequest(request_id, prompt.token_ids, params, request.priority,
-                                   block_hashes(prompt.token_ids, info.block_size))
+                                   block_hashes(prompt.token_ids, info.block_size, root), lora)
 
     def _deadline(self) -> float | None:
         timeout_s = self.settings.request_timeout_s

@@ -18,12 +18,14 @@ from pagedserve.serve_app.protocol.completions import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
     CompletionStreamResponse, Prompt,
 )
+from pagedserve.serve_app.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedserve.serve_app.protocol.tokenize import (
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
     TokenizeCompletionRequest, TokenizeRequest, TokenizeResponse,
 )
 
 __all__ = [
+    "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest",
     "AssistantMessage", "ChatChoice", "ChatCompletionRequest", "ChatCompletionResponse",
     "ChatCompletionStreamResponse", "ChatFinishReason", "ChatMessage", "ChatStreamChoice",
     "ChoiceLogprobs", "CompletionChoice", "CompletionLogprobs", "CompletionRequest",

@@ -67,6 +67,10 @@ class RoutingSettings(BaseModel):
     # fallback weighing queued prefill the defaults do well on both (bench.fleet --workload
     # nosharing and diurnal).
     cold_home_pair_slack: float | None = Field(None, ge=0)
+    # Requests by which the least loaded replica holding a LoRA adapter may exceed the least-loaded
+    # replica before the adapter's requests spread to replicas that must load it (a hot adapter
+    # spreads; a cold one stays where it is loaded).
+    adapter_max_excess_load: float = Field(8.0, ge=0)
     # Leading blocks a replica must hold beyond the replica holding the fewest for affinity to count.
     min_affinity_blocks: int = Field(1, ge=1)
     # Blocks past the part every replica holds that name a cold prefix's home.

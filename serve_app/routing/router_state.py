@@ -30,6 +30,8 @@ class RouterState:
         self._clock = clock
         self._digest_time: dict[str, float] = {}
         self._replicas = ReplicaSet(())  # the last live set a decision ranked
+        self.adapters: dict[str, frozenset[int]] = {}  # replica -> LoRA adapter ids it holds
+        self._adapter_sent: dict[int, dict[str, float]] = {}  # adapter -> replica -> last sent
 
     # -- what replicas tell us ------------------------------------------------------------------
     def observe(self, replica_id: str, digest: Mapping[str, Any] | None) -> bool:
@@ -44,6 +46,7 @@ class RouterState:
         self.loads.report(replica_id, QueueDepth.from_stats(digest).num_requests, report_time,
                           digest.get("num_arrived"))
         self.hit_rates[replica_id] = float(digest.get("prefix_cache_hit_rate", 0.0))
+        self.adapters[replica_id] = frozenset(digest.get("lora_resident_ids") or ())
         return True
 
     def observe_step(self, replica_id: str, with_output: Iterable[str],
@@ -69,28 +72,61 @@ class RouterState:
             return
         self.index.retain(live)
         self.loads.retain(live)
-        for table in (self._digest_time, self.hit_rates):
+        for table in (self._digest_time, self.hit_rates, self.adapters, *self._adapter_sent.values()):
             for replica_id in [r for r in table if r not in live]:
                 del table[replica_id]
 
     # -- what the router does -------------------------------------------------------------------
     def choose(self, request_id: str | None, block_hashes: Sequence[int],
-               live_replica_ids: Iterable[str]) -> Decision:
+               live_replica_ids: Iterable[str], adapter_id: int = 0) -> Decision:
         """Rank the live replicas for a request; with a request id, count it against the first
-        choice now (`dispatched`), so a burst routed before the next digest sees its own effect."""
+        choice now (`dispatched`), so a burst routed before the next digest sees its own effect.
+
+        A request for a LoRA adapter (`adapter_id`) is ranked among the replicas that hold it
+        first (its prefixes are its own, so affinity within them is exact), unless even the
+        least loaded of them exceeds the least-loaded replica by more than
+        `adapter_max_excess_load`: then the adapter spreads to the rest. The others follow in
+        the ranking, for when the holders refuse."""
         live = self._replica_set(live_replica_ids)
-        match = self.index.prefix_match(block_hashes, live.ids_set)
-        decision = rank_replicas(block_hashes, live, match, self.settings, self._rng,
-                                 self.loads.queued_prefill)
+        holders = self._holders(adapter_id, live) if adapter_id else None
+        if holders:
+            others = tuple(r for r in live.ids if r not in holders)
+            decision = self._rank(block_hashes, ReplicaSet(holders, self.loads.loads))
+            if others:
+                decision.rest = _then(decision.rest, lambda: self._rank(
+                    block_hashes, ReplicaSet(others, self.loads.loads)).ranked)
+        else:
+            decision = self._rank(block_hashes, live)
         if request_id is not None:
-            self.dispatched(request_id, decision.replica_id, block_hashes, decision)
+            self.dispatched(request_id, decision.replica_id, block_hashes, decision, adapter_id)
         return decision
 
+    def _rank(self, block_hashes: Sequence[int], replicas: ReplicaSet) -> Decision:
+        match = self.index.prefix_match(block_hashes, replicas.ids_set)
+        return rank_replicas(block_hashes, replicas, match, self.settings, self._rng,
+                             self.loads.queued_prefill)
+
+    def _holders(self, adapter_id: int, live: ReplicaSet) -> tuple[str, ...] | None:
+        """The live replicas holding the adapter (or sent it within the optimistic TTL), if any
+        is loaded little enough to take it."""
+        horizon = self._clock() - self.settings.optimistic_ttl_s
+        sent = self._adapter_sent.get(adapter_id, {})
+        holders = tuple(r for r in live.ids if adapter_id in self.adapters.get(r, ())
+                        or sent.get(r, horizon) > horizon)
+        if not holders:
+            return None
+        least = float(live.loads.min())
+        if min(self.loads.load(r) for r in holders) - least > self.settings.adapter_max_excess_load:
+            return None
+        return holders
+
     def dispatched(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
-                   decision: Decision) -> tuple[str, float]:
+                   decision: Decision, adapter_id: int = 0) -> tuple[str, float]:
         """A request sent to replica_id (a rank of `decision`): counted there from now. (The
         reason to count it under, when it was counted: for `refused`.)"""
         now = self._clock()
+        if adapter_id:
+            self._adapter_sent.setdefault(adapter_id, {})[replica_id] = now
         first = replica_id == decision.replica_id
         matched = decision.num_matched_blocks if first else 0
         self.index.insert(replica_id, kept_hashes(block_hashes), now, matched)
@@ -130,6 +166,10 @@ class RouterState:
 
     def _load_changed(self, replica_id: str, load: float) -> None:
         self._replicas.set_load(replica_id, load)
+
+
+def _then(first: Callable[[], list[str]], second: Callable[[], list[str]]) -> Callable[[], list[str]]:
+    return lambda: [*first(), *second()]
 
 
 def kept_hashes(block_hashes: Sequence[int]) -> Sequence[int]:

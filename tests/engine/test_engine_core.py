@@ -297,7 +297,7 @@ class GrowingDirectory:
         while version == self.version:
             self.changed.clear()
             await self.changed.wait()
-        return self.version, dict(self.entries)
+        return self.version, dict(self.entries), {}
 
     def publish(self, replica_id: str, address) -> None:
         self.entries[replica_id] = list(address)

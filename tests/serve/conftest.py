@@ -127,7 +127,7 @@ def core_digests(app_name: str, timeout_s: float = 20.0) -> dict[str, dict]:
 
     from pagedserve.replicas.engine import protocol
 
-    _, entries = serve.get_deployment_handle("CoreDirectory", app_name).watch.remote(-1).result()
+    _, entries, _ = serve.get_deployment_handle("CoreDirectory", app_name).watch.remote(-1).result()
 
     async def digest(host: str, port: int, token: str) -> dict:
         reader, writer = await asyncio.open_connection(host, port)

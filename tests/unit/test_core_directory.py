@@ -10,12 +10,12 @@ from pagedserve.serve_app.core_directory import ENTRY_TTL_S, CoreDirectory
 def test_watchers_hear_publications_and_withdrawals_at_once():
     async def main():
         directory = CoreDirectory(warmup_s=0.0)
-        version, entries = await directory.watch(-1, timeout_s=0.1)
+        version, entries, _ = await directory.watch(-1, timeout_s=0.1)
         assert entries == {}
         waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
         await asyncio.sleep(0.01)
         directory.publish("r1", ["127.0.0.1", 5000, "t"])
-        version, entries = await asyncio.wait_for(waiting, 1)
+        version, entries, _ = await asyncio.wait_for(waiting, 1)
         assert entries == {"r1": ["127.0.0.1", 5000, "t"]}
         directory.publish("r1", ["127.0.0.1", 5000, "t"])  # again, unchanged: no news
         assert (await directory.watch(version, timeout_s=0.05))[0] == version
@@ -23,6 +23,29 @@ def test_watchers_hear_publications_and_withdrawals_at_once():
         await asyncio.sleep(0.01)
         directory.withdraw("r1")
         assert (await asyncio.wait_for(waiting, 1))[1] == {}
+
+    asyncio.run(main())
+
+
+def test_adapters_are_listed_with_ids_given_once():
+    async def main():
+        directory = CoreDirectory(warmup_s=0.0)
+        version, _, adapters = await directory.watch(-1, timeout_s=0.05)
+        assert adapters == {}
+        waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
+        await asyncio.sleep(0.01)
+        first = directory.register_adapter("a", "/x")
+        version, _, adapters = await asyncio.wait_for(waiting, 1)  # watchers hear it at once
+        assert adapters == {"a": first} and first[:1] == ["a"] and first[2] == "/x"
+        assert directory.register_adapter("a", "/x") == first  # the same: the same id
+        assert directory.register_adapter("a", "/y") is None  # another under its name: refused
+        second = directory.register_adapter("b", "/y")
+        assert second[1] > first[1]
+        assert directory.remove_adapter("a") == first and directory.remove_adapter("a") is None
+        again = directory.register_adapter("a", "/x")
+        assert again[1] > second[1]  # a new id: its KV blocks are not the old ones'
+        later = CoreDirectory(warmup_s=0.0)  # a restarted directory never repeats an id
+        assert later.register_adapter("c", "/z")[1] > again[1]
 
     asyncio.run(main())
 

@@ -258,3 +258,22 @@ def test_a_steps_report_brings_the_replicas_prefill_queue_and_its_outputs_end_ou
     assert s.loads.queued_prefill[d.replica_id] == 25
     s.first_output("q1")  # its stream's first output, later: already counted off
     assert s.loads.queued_prefill[d.replica_id] == 25
+
+
+def test_an_adapters_requests_go_to_its_holders_until_they_are_loaded_then_spread():
+    s, clock = state(adapter_max_excess_load=4)
+    live = ("r1", "r2", "r3")
+    for replica in live:
+        s.observe(replica, {**digest(clock.now), "lora_resident_ids": [7] if replica == "r2" else []})
+    for turn in range(6):  # different prompts: only the adapter pulls them together
+        hashes = block_hashes([turn] * 8, BS)
+        decision = s.choose(None, hashes, live, adapter_id=7)
+        assert decision.replica_id == "r2" and set(decision.ranked) == set(live)
+    first = s.choose(None, block_hashes([99] * 8, BS), live, adapter_id=8)  # held nowhere
+    s.dispatched("q", first.replica_id, [], first, adapter_id=8)
+    again = s.choose(None, block_hashes([98] * 8, BS), live, adapter_id=8)
+    assert again.replica_id == first.replica_id  # sent there: it holds it now
+    clock.now += 1
+    s.observe("r2", {**digest(clock.now, waiting=3, running=3), "lora_resident_ids": [7]})
+    spread = s.choose(None, block_hashes([5] * 8, BS), live, adapter_id=7)
+    assert spread.replica_id != "r2"  # its holder is over the guard: the adapter spreads
