@@ -157,6 +157,13 @@ MEANINGS: dict[str, str] = {
                  "keep off them), off, or a list such as 0-3 (vLLM-CPU's "
                  "VLLM_CPU_OMP_THREADS_BIND)"),
     "max_logprobs": "Most logprobs a request may ask for per token",
+    "enable_lora": "Serve LoRA adapters on the base model (requests pick one with model=<name>)",
+    "max_loras": "LoRA adapters one engine step can run: the slot pool's size",
+    "max_lora_rank": "Largest LoRA rank; every slot is this wide",
+    "max_cpu_loras": "LoRA adapters kept in memory per replica (LRU); none: max_loras",
+    "lora_modules": "LoRA adapters served from the start: name=path ...",
+    "allow_runtime_lora_updating": ("POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                    "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
     "api_keys": "Accepted bearer keys; empty: no auth (also PAGEDSERVE_API_KEYS)",
     "max_request_body_bytes": "Largest request body in bytes (413 beyond)",
     "max_prompts_per_request": "Most prompts in one completion request",

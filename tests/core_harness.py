@@ -30,7 +30,7 @@ class StaticDirectory:
     async def remote(self, version: int):
         if version == 1:
             await asyncio.sleep(3600)  # nothing changes
-        return 1, self.entries
+        return 1, self.entries, {}
 
 
 @contextlib.asynccontextmanager

@@ -61,7 +61,7 @@ def texts(outs):
 
 def check_free(llm):
     engine = llm.llm_engine
-    assert not engine.requests and not engine.pending_grammars
+    assert not engine.requests and not engine.pending
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
