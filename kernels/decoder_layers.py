@@ -13,6 +13,10 @@ too: under streaming load most steps carry a new prompt's chunk beside the decod
 DecoderStack.build returns None for anything else (oneDNN-packed or unpacked weights among
 them), and the caller keeps its layer loop.
 
+With LoRA adapters (`set_lora`), a step whose rows run adapters goes through it too: each
+projection's rows get their adapters' deltas right after its GEMM (csrc/lora.c), as the layer
+loop's projections add them.
+
 PAGEDSERVE_FUSED_DECODE=0 keeps the layer loop (comparisons, benchmarks).
 """
 from __future__ import annotations
@@ -37,6 +41,18 @@ _LAYER_FIELDS = 2 + 4 * _PROJ_FIELDS  # input norm, post norm, then qkv, o, gate
 (_LAYERS, _TOKENS, _SEQS, _TABLE_WIDTH, _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _ROTARY_HALF,
  _CS_STRIDE, _INTER, _NUM_BLOCKS, _BLOCK_SIZE, _NORM_DTYPES, _DATA_DTYPES, _STEP_FIELDS) = range(16)
 _DTYPES = (torch.float32, torch.bfloat16)
+# csrc/decoder_layers.c's LoRA table: a header, then per layer and projection three parts.
+_LH_TOKEN_SLOTS, _LH_SLOTS, _LH_RANK, _LH_DTYPES, _LH_FIELDS = range(5)
+_LORA_PARTS, _LP_FIELDS = 3, 5  # a part: A, B^T, ranks, n, first output column
+
+
+class LoRAPart(NamedTuple):
+    """One part of a projection's LoRA slots (replicas/lora/slots.py): A [slots, rank, k], B^T
+    [slots, rank, n], ranks int32 [slots], and the part's first output column."""
+    lora_a: torch.Tensor
+    lora_b_t: torch.Tensor
+    ranks: torch.Tensor
+    offset: int
 
 
 def enabled() -> bool:
@@ -101,6 +117,37 @@ class DecoderStack:
         self._kv_list: list[torch.Tensor] | None = None
         self._kv = array.array("q", [0] * len(layers))
         self._kv_bf16 = 0
+        self._lora: array.array | None = None  # set_lora's table
+        self._lora_keep: list | None = None
+
+    def set_lora(self, layers: list[list[list[LoRAPart]]]) -> bool:
+        """Each layer's qkv, o, gate_up and down LoRA parts (at most three each, one slot pool):
+        steps with adapter rows then run here too. False (and no change) where the kernel
+        cannot take them."""
+        first = layers[0][0][0] if layers and layers[0] and layers[0][0] else None
+        if first is None or len(layers) != len(self._kv):
+            return False
+        num_slots, rank = first.lora_a.shape[:2]
+        weight_dtype = first.lora_a.dtype
+        rows = [0, num_slots, rank, native.BF16_WEIGHT if weight_dtype is torch.bfloat16 else 0]
+        for projections in layers:
+            if len(projections) != 4:
+                return False
+            for parts in projections:
+                if len(parts) > _LORA_PARTS:
+                    return False
+                for part in parts:
+                    a, b_t, ranks = part.lora_a, part.lora_b_t, part.ranks
+                    if not (a.dtype is weight_dtype and b_t.dtype is weight_dtype and a.is_cpu
+                            and a.is_contiguous() and b_t.is_contiguous()
+                            and a.shape[:2] == (num_slots, rank) and b_t.shape[:2] == (num_slots, rank)
+                            and ranks.dtype is torch.int32 and ranks.shape == (num_slots,)):
+                        return False
+                    rows += [a.data_ptr(), b_t.data_ptr(), ranks.data_ptr(), b_t.shape[2], part.offset]
+                rows += [0] * (_LP_FIELDS * (_LORA_PARTS - len(parts)))
+        self._lora = array.array("q", rows)
+        self._lora_keep = layers
+        return True
 
     @classmethod
     def build(cls, layers: list[LayerWeights], *, dtype: torch.dtype, **shape) -> "DecoderStack | None":
@@ -149,14 +196,21 @@ class DecoderStack:
         return True
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list[torch.Tensor], metadata: AttentionMetadata
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+            kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+            token_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layers over hidden [T, hidden] (the embeddings; taken over and written) for a
         step: (the last layer's MLP output, the residual stream before it), what the layer loop
-        returns; None (nothing done) where these operands are not the kernel's."""
+        returns; None (nothing done) where these operands are not the kernel's. token_slots:
+        each row's LoRA slot (int32 [T], -1: none), or None when no row runs an adapter."""
         if kv_caches is not self._kv_list and not self._bind_caches(kv_caches):
             return None
         tokens = hidden.shape[0] if hidden.dim() == 2 else -1
+        lora = 0
+        if token_slots is not None:
+            if self._lora is None or not _index(token_slots, torch.int32, (tokens,)):
+                return None
+            self._lora[_LH_TOKEN_SLOTS] = token_slots.data_ptr()
+            lora = _address(self._lora)
         batch = metadata.num_seqs
         tables, slots = metadata.block_tables, metadata.slot_mapping
         width = tables.shape[-1] if tables.dim() == 2 else -1
@@ -182,7 +236,7 @@ class DecoderStack:
             hidden.data_ptr(), residual.data_ptr(), scratch.data_ptr(), _address(self._layers),
             _address(self._kv), _address(step), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), metadata.seq_lens.data_ptr(), metadata.query_start_loc.data_ptr(),
-            self.eps, self.scale, torch.get_num_threads()))
+            lora, self.eps, self.scale, torch.get_num_threads()))
         return hidden, residual
 
 

@@ -237,7 +237,7 @@ SIGNATURES = {
     "pagedserve_quant_linear_i8": [_PTR, _PTR, _I64, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I64, _I64,
                                    _I64, _I32],
     "pagedserve_quant_linear_i8_panel": [],
-    "pagedserve_decoder_layers": [_PTR] * 12 + [_F32C, _F32C, _I32],
+    "pagedserve_decoder_layers": [_PTR] * 13 + [_F32C, _F32C, _I32],
     "pagedserve_lora_delta": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                               _I64, _I32, _I32],
 }

@@ -60,8 +60,8 @@ int pagedserve_quant_linear_i8_panel(void);
 int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
                               const int64_t *kv_caches, const int64_t *step, const void *cos,
                               const void *sin, const int64_t *slots, const int32_t *block_tables,
-                              const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
-                              float scale, int num_threads);
+                              const int32_t *seq_lens, const int32_t *query_start_loc,
+                              const int64_t *lora, float eps, float scale, int num_threads);
 int pagedserve_lora_delta(void *out, int64_t out_stride, const void *x, int64_t x_stride,
                           const int32_t *token_slots, const void *lora_a, const void *lora_b_t,
                           const int32_t *ranks, int64_t tokens, int64_t k, int64_t n, int64_t slots,

@@ -20,10 +20,15 @@
  *   hidden = attn . Wo^T (+ b)
  *   residual += hidden; hidden = rms_norm(residual) * post_norm
  *   gate_up = hidden . Wgu^T (+ b); act = silu(gate) * up; hidden = act . Wdown^T (+ b)
- * The caller applies the final norm. */
+ * The caller applies the final norm.
+ *
+ * With LoRA adapters (`lora` not NULL), each projection's output gets its rows' adapter deltas
+ * right after its GEMM, part by part (q, k, v of the fused qkv; gate, up), by csrc/lora.c: the
+ * same kernel, in the same order, as the layer loop's Linear.forward then adds them. */
 #include <string.h>
 
 #include "common.h"
+#include "lora.h"
 
 /* One projection's fields in a layer's row of `layers` (int64 each): its kernel, the weight's
  * packing (quantized: q and so; dense: the packed panels in DP_W), the bias or 0, and the kernel's
@@ -39,6 +44,33 @@ enum {
     DS_ROTARY_HALF, DS_CS_STRIDE, DS_INTER, DS_NUM_BLOCKS, DS_BLOCK_SIZE, DS_NORM_DTYPES,
     DS_DATA_DTYPES, DS_FIELDS
 };
+
+/* `lora`: a header, then per layer and projection LORA_PARTS parts of LP_FIELDS each (a part whose
+ * a is 0 is absent). The header: the step's token_slots (int32 [T], -1: no adapter), the slots,
+ * the slot rank, the weights' dtype bits. A part: its A [slots, rank, k], B^T [slots, rank, n],
+ * ranks int32 [slots], its n and its first output column. */
+enum { LH_TOKEN_SLOTS, LH_SLOTS, LH_RANK, LH_DTYPES, LH_FIELDS };
+enum { LP_A, LP_B_T, LP_RANKS, LP_N, LP_OFFSET, LP_FIELDS };
+enum { LORA_PARTS = 3, LORA_LAYER_FIELDS = PROJ_COUNT * LORA_PARTS * LP_FIELDS };
+
+static int add_lora(const int64_t *lora, int64_t l, int proj, void *out, int64_t out_n, const void *x,
+                    int64_t rows, int64_t k, int data_dtypes, int num_threads) {
+    if (!lora) return PS_OK;
+    const int64_t *part = lora + LH_FIELDS + l * LORA_LAYER_FIELDS + proj * LORA_PARTS * LP_FIELDS;
+    int64_t elem = data_dtypes & PS_BF16_DATA ? 2 : 4;
+    int dtypes = (data_dtypes & PS_BF16_DATA) | (int)lora[LH_DTYPES];
+    for (int p = 0; p < LORA_PARTS; p++, part += LP_FIELDS) {
+        if (!part[LP_A]) continue;
+        int status = ps_lora_delta((char *)out + part[LP_OFFSET] * elem, out_n, x, k,
+                                   (const int32_t *)(intptr_t)lora[LH_TOKEN_SLOTS],
+                                   (const void *)(intptr_t)part[LP_A],
+                                   (const void *)(intptr_t)part[LP_B_T],
+                                   (const int32_t *)(intptr_t)part[LP_RANKS], rows, k, part[LP_N],
+                                   lora[LH_SLOTS], lora[LH_RANK], dtypes, NULL, num_threads);
+        if (status != PS_OK) return status;
+    }
+    return PS_OK;
+}
 
 static int project(const int64_t *layer, int proj, void *out, const void *x, int64_t rows, int64_t n,
                    int64_t k, int num_threads) {
@@ -69,13 +101,13 @@ static int project(const int64_t *layer, int proj, void *out, const void *x, int
  * kv_heads, head_dim] caches (PS_BF16_KV: bf16); cos, sin: the step's rotary rows (cs_stride
  * apart); slots: int64 [T]; block_tables, seq_lens, query_start_loc as the attention kernels';
  * a step with prefills (T > sequences) needs a head_dim the prefill kernel takes (a multiple of
- * 16); residual's contents are not read. Returns the first kernel status that is
- * not PS_OK. */
+ * 16); residual's contents are not read; lora: the adapters' table (above), or NULL. Returns
+ * the first kernel status that is not PS_OK. */
 int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const int64_t *layers,
                               const int64_t *kv_caches, const int64_t *step, const void *cos,
                               const void *sin, const int64_t *slots, const int32_t *block_tables,
-                              const int32_t *seq_lens, const int32_t *query_start_loc, float eps,
-                              float scale, int num_threads) {
+                              const int32_t *seq_lens, const int32_t *query_start_loc,
+                              const int64_t *lora, float eps, float scale, int num_threads) {
     int64_t tokens = step[DS_TOKENS], h = step[DS_HIDDEN], heads = step[DS_HEADS];
     int64_t kv_heads = step[DS_KV_HEADS], head_dim = step[DS_HEAD_DIM], inter = step[DS_INTER];
     int64_t q_size = heads * head_dim, qkv_n = (heads + 2 * kv_heads) * head_dim;
@@ -102,6 +134,7 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
                                                  norm_dtypes, num_threads));
         }
         PS_TRY(project(layer, PROJ_QKV, qkv, hidden, tokens, qkv_n, h, num_threads));
+        PS_TRY(add_lora(lora, l, PROJ_QKV, qkv, qkv_n, hidden, tokens, h, data_dtypes, num_threads));
         PS_TRY(pagedserve_rotary_store_kv(qkv, qkv_n, cos, sin, step[DS_CS_STRIDE], slots, kv_cache,
                                           num_blocks * block_size, tokens, heads, kv_heads, head_dim,
                                           step[DS_ROTARY_HALF], data_dtypes, num_threads));
@@ -118,12 +151,16 @@ int pagedserve_decoder_layers(void *hidden, void *residual, void *scratch, const
                                                       kv_heads, head_dim, scale, 0, 0.0f,
                                                       data_dtypes, num_threads));
         PS_TRY(project(layer, PROJ_O, hidden, attn, tokens, h, q_size, num_threads));
+        PS_TRY(add_lora(lora, l, PROJ_O, hidden, h, attn, tokens, q_size, data_dtypes, num_threads));
         PS_TRY(pagedserve_fused_add_rms_norm(hidden, residual, post_norm, tokens, h, eps, norm_dtypes,
                                              num_threads));
         PS_TRY(project(layer, PROJ_GATE_UP, gate_up, hidden, tokens, 2 * inter, h, num_threads));
+        PS_TRY(add_lora(lora, l, PROJ_GATE_UP, gate_up, 2 * inter, hidden, tokens, h, data_dtypes,
+                        num_threads));
         PS_TRY(pagedserve_silu_and_mul(act, gate_up, tokens, inter, data_dtypes & PS_BF16_DATA,
                                        num_threads));
         PS_TRY(project(layer, PROJ_DOWN, hidden, act, tokens, h, inter, num_threads));
+        PS_TRY(add_lora(lora, l, PROJ_DOWN, hidden, h, act, tokens, inter, data_dtypes, num_threads));
     }
     return PS_OK;
 }

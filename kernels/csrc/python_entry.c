@@ -128,11 +128,11 @@ PS_ENTRY(pagedserve_quant_linear, FMT_QUANT_LINEAR,
 PS_ENTRY(pagedserve_quant_linear_i8, FMT_QUANT_LINEAR_I8,
          pagedserve_quant_linear_i8(v[0].p, v[1].p, v[2].i, v[3].p, v[4].p, (int)v[5].i, v[6].p,
                                     (int)v[7].i, v[8].i, v[9].i, v[10].i, v[11].i, (int)v[12].i))
-#define FMT_DECODER_LAYERS "ppppppppppppffi"
+#define FMT_DECODER_LAYERS "pppppppppppppffi"
 PS_ENTRY(pagedserve_decoder_layers, FMT_DECODER_LAYERS,
          pagedserve_decoder_layers(v[0].p, v[1].p, v[2].p, v[3].p, v[4].p, v[5].p, v[6].p, v[7].p,
-                                   v[8].p, v[9].p, v[10].p, v[11].p, (float)v[12].f, (float)v[13].f,
-                                   (int)v[14].i))
+                                   v[8].p, v[9].p, v[10].p, v[11].p, v[12].p, (float)v[13].f,
+                                   (float)v[14].f, (int)v[15].i))
 #define FMT_LORA_DELTA "pipippppiiiiiii"
 PS_ENTRY(pagedserve_lora_delta, FMT_LORA_DELTA,
          pagedserve_lora_delta(v[0].p, v[1].i, v[2].p, v[3].i, v[4].p, v[5].p, v[6].p, v[7].p,

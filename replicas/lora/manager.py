@@ -34,9 +34,9 @@ class LoRAManager:
             linear = model.get_submodule(name)
             linear.lora = self.slots[name] = LoRASlots(self.step, parts, linear.in_features,
                                                        max_loras, max_rank, dtype, device)
-        for module in model.modules():  # the fused decoder stack steps aside for adapter rows
-            if hasattr(module, "lora_step"):
-                module.lora_step = self.step
+        for module in model.modules():  # models that run their projections' kernels together
+            if hasattr(module, "attach_lora"):
+                module.attach_lora(self.step)
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # in memory, LRU first
         self.loading: dict[int, Future] = {}
         self.users: dict[int, int] = {}  # adapter id -> live requests holding it

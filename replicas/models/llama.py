@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedserve.kernels import norm_act
 from pagedserve.kernels.backend import AttentionBackend
-from pagedserve.kernels.decoder_layers import DecoderStack, LayerWeights, Projection
+from pagedserve.kernels.decoder_layers import DecoderStack, LayerWeights, LoRAPart, Projection
 from pagedserve.replicas.models.attention import Attention
 from pagedserve.replicas.models.causal_lm import CausalLM, head_dim_of, split_rows
 from pagedserve.replicas.models.layers import Linear, RMSNorm
@@ -66,7 +66,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.dtype = dtype
         self.decoder_stack: DecoderStack | None = None  # set by after_packing where it applies
-        self.lora_step = None  # under LoRA: a step whose rows run adapters takes the layer loop
+        self.lora_step = None  # under LoRA: each row's adapter slot (replicas/lora/slots.py)
 
     def after_packing(self) -> None:
         """Decode steps go through every layer in one native call where the layers qualify
@@ -83,12 +83,29 @@ class LlamaModel(nn.Module):
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate_size=self.layers[0].mlp.intermediate_size, eps=eps, scale=attn.scale)
 
+    def attach_lora(self, step) -> None:
+        """LoRA slots are on the projections (replicas/lora): steps with adapter rows read their
+        slots from `step`, and take the decoder stack where it takes the slots too."""
+        self.lora_step = step
+        if self.decoder_stack is None:
+            return
+        layers = []
+        for layer in self.layers:
+            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+            if any(p.lora is None for p in projections):
+                return
+            layers.append([[LoRAPart(a, b_t, ranks, start) for (start, _), a, b_t, ranks
+                            in zip(p.lora.parts, p.lora.lora_a, p.lora.lora_b_t, p.lora.ranks)]
+                           for p in projections])
+        self.decoder_stack.set_lora(layers)
+
     def forward(self, input_ids, positions, kv_caches, attn_metadata):
         hidden, residual = self.embed_tokens(input_ids), None
         rotary = self.rotary_emb(positions)  # gathered once, shared by every layer
-        lora_rows = self.lora_step is not None and self.lora_step.token_slots is not None
-        done = (self.decoder_stack is not None and not lora_rows
-                and self.decoder_stack.run(hidden, *rotary, kv_caches, attn_metadata))
+        token_slots = self.lora_step.token_slots if self.lora_step is not None else None
+        done = self.decoder_stack is not None and self.decoder_stack.run(
+            hidden, *rotary, kv_caches, attn_metadata, token_slots)
         if done:
             hidden, residual = done
         else:

@@ -108,6 +108,38 @@ def test_every_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtype, 
     assert len(ran) == len(STEPS) and all(r is not None for r in ran)
 
 
+@pytest.mark.parametrize("name", ["gguf-q4_1", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_with_lora_rows_equal_the_layer_loop_bit_for_bit(checkpoints, name, dtype, monkeypatch):
+    """Rows of two adapters (ranks 4 and 8 in slots of 8) and of the base model in every step:
+    the stack adds each projection's deltas where the layer loop's projections do."""
+    from pagedserve.replicas.lora.manager import LoRAManager
+
+    model = load_model(checkpoints[name], dtype=dtype)[0]
+    manager = LoRAManager(model, max_loras=2, max_rank=8, max_cpu_loras=None, dtype=model.dtype,
+                          device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    for slots in manager.slots.values():
+        for part, (start, stop) in enumerate(slots.parts):
+            for slot, rank in ((0, 4), (1, 8)):
+                a = torch.randn(rank, slots.lora_a[part].shape[2], generator=gen) * 0.1
+                slots.set(slot, part, a.to(dtype), (torch.randn(rank, stop - start, generator=gen)
+                                                   * 0.1).to(dtype))
+    stack = model.model.decoder_stack
+    assert stack is not None and stack._lora is not None
+    ran = []
+    run = stack.run
+    monkeypatch.setattr(stack, "run", lambda *a: ran.append(run(*a)) or ran[-1])
+    for ids, positions, caches, metadata in _steps(model, dtype):
+        manager.step.token_slots = torch.tensor([(i % 3) - 1 for i in range(len(ids))], dtype=torch.int32)
+        got, expected, looped = _forward_both_ways(model, ids, positions, caches, metadata)
+        assert torch.equal(got, expected)
+        for a, b in zip(caches, looped):
+            assert torch.equal(a, b)
+    manager.step.token_slots = None
+    assert len(ran) == len(STEPS) and all(r is not None for r in ran)
+
+
 def test_prefills_keep_the_layer_loop_where_the_prefill_kernel_lacks_the_head_dim(tmp_path, monkeypatch):
     """head_dim 40: decode attention takes it, the native prefill attention does not (nor, then,
     the layer loop's), so only all-decode steps go through the stack."""
