@@ -328,15 +328,17 @@ class EngineClient:
 
     # -- LoRA adapters ----------------------------------------------------------------------------
     async def load_adapter(self, lora: LoRARequest) -> str | None:
-        """Have one core read and check the adapter now: None, or why it cannot be served. The
-        others load it when a request for it first reaches them."""
+        """Have the least loaded core read and check the adapter now: None, or why it cannot be
+        served. Its requests then go there first; other cores load it when the adapter spreads."""
         live = [self.links[r] for r in self.live_ids if r in self.links]
         if not live:
             raise errors.unavailable("no engine replica is available to check the adapter",
                                      self.retry_after_s)
         request_id = uuid.uuid4().hex
         future = self._adapter_loads[request_id] = asyncio.get_running_loop().create_future()
-        live[0].send(protocol.LoadAdapter(request_id, lora))
+        link = min(live, key=lambda link: self.router.load(link.replica_id))
+        link.send(protocol.LoadAdapter(request_id, lora))
+        self.router.adapter_sent(lora.lora_int_id, link.replica_id)
         try:
             return await asyncio.wait_for(future, ADAPTER_LOAD_WAIT_S)
         except TimeoutError:

@@ -134,7 +134,7 @@ class ModelRunner:
             self.workers.check_alive()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
+        """Stop the other tensor-parallel ranks, if any, and the adapter loader."""
         if self.lora is not None:
             self.lora.shutdown()
         if self.workers is not None:

@@ -32,11 +32,6 @@ class LoRAAdapter:
     rank: int
     weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.weights.values()
-                   for pair in parts.values() for t in pair)
-
 
 def read_config(path: Path) -> dict:
     file = path / CONFIG_FILE

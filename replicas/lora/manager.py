@@ -45,6 +45,8 @@ class LoRAManager:
         self.num_steps = 0
         self.num_loads = self.num_evictions = self.num_slot_loads = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        logger.info("LoRA: %d slots of rank %d on %d projections (%.2f GiB)", max_loras, max_rank,
+                    len(self.slots), sum(s.num_bytes for s in self.slots.values()) / 2**30)
 
     # -- in memory ------------------------------------------------------------------------------
     def load(self, lora: LoRARequest) -> Future:

@@ -126,7 +126,7 @@ class RouterState:
         reason to count it under, when it was counted: for `refused`.)"""
         now = self._clock()
         if adapter_id:
-            self._adapter_sent.setdefault(adapter_id, {})[replica_id] = now
+            self.adapter_sent(adapter_id, replica_id)
         first = replica_id == decision.replica_id
         matched = decision.num_matched_blocks if first else 0
         self.index.insert(replica_id, kept_hashes(block_hashes), now, matched)
@@ -134,6 +134,11 @@ class RouterState:
         if first:
             return decision.reason, now
         return (LOAD_OVERRIDE if decision.reason == AFFINITY else FALLBACK), now
+
+    def adapter_sent(self, adapter_id: int, replica_id: str) -> None:
+        """replica_id was sent the adapter (a request for it, or a load): it holds it from now,
+        for the optimistic TTL or until its digests say so."""
+        self._adapter_sent.setdefault(adapter_id, {})[replica_id] = self._clock()
 
     def refused(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
                 dispatched_at: float) -> None:
