@@ -37,18 +37,23 @@ class LLM:
     def get_tokenizer(self):
         return (self.encoder or self.llm_engine).tokenizer
 
-    def embed(self, prompts: EmbedInput | SequenceABC[EmbedInput],
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: EmbedInput | SequenceABC[EmbedInput], use_tqdm: bool = True,
+              lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
         """One output per prompt (a text or token ids), in order; `.outputs.embedding` is the
-        pooled (normalized, where the model says so) embedding as a list of floats."""
+        pooled (normalized, where the model says so) embedding as a list of floats. A decoder's
+        embeddings may come from its LoRA adapters (`lora_request`, as in generate)."""
         if self.encoder is None:  # a decoder: pooling requests through its scheduler
             mode = self.llm_engine.config.pooling
             if mode is None:
                 raise ValueError("this model generates: embed() needs an encoder checkpoint (e.g. a "
                                  "sentence-transformers directory) or the engine setting pooling")
-            outputs = self.generate(prompts, pooling_params(mode), use_tqdm=use_tqdm)
+            outputs = self.generate(prompts, pooling_params(mode), use_tqdm=use_tqdm,
+                                    lora_request=lora_request)
             return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding),
                                            o.prompt_token_ids) for o in outputs]
+        if lora_request is not None:
+            raise ValueError("LoRA adapters apply to a decoder's embeddings, not an encoder's")
         prompts = [p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p
                    for p in _as_prompt_list(prompts)]
         token_ids = self.encoder.tokenize(prompts)

@@ -162,8 +162,9 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        self.add(self.make_request(request_id, prompt, params, arrival_time, priority))
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        self.add(self.make_request(request_id, prompt, params, arrival_time, priority, lora_request))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)

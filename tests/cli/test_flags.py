@@ -35,6 +35,25 @@ def test_vllm_flags_build_the_same_settings_as_serve_run_arguments():
     assert from_flags.model_fields_set == from_serve_run.model_fields_set
 
 
+def test_vllm_lora_flags_build_the_lora_settings():
+    args = parse(["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras",
+                  "8", "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat"}',
+                  "--allow-runtime-lora-updating"])
+    settings = ServeSettings.from_args(args, env={})
+    engine = settings.engine
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == \
+        (True, 4, 64, 8)
+    assert settings.lora_adapters == {"sql": "/a/sql", "chat": "/a/chat"}
+    assert settings.allow_runtime_lora_updating
+    assert ServeSettings.from_args({"enable_lora": "true"},
+                                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+                                   ).allow_runtime_lora_updating
+    with pytest.raises(ValueError, match="need enable_lora"):
+        ServeSettings.from_args({"lora_modules": "sql=/a/sql"}, env={})
+    with pytest.raises(ValueError, match="given twice"):
+        ServeSettings.from_args({"enable_lora": "true", "lora_modules": "a=/x a=/y"}, env={})
+
+
 def test_vllm_tool_call_flags_are_accepted_and_set_nothing():
     # `vllm serve M --enable-auto-tool-choice --tool-call-parser hermes` works unchanged.
     assert parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == parse([])

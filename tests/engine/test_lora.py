@@ -189,6 +189,44 @@ def test_bad_adapters_are_refused_naming_the_problem(llama, tmp_path):
         engine.load_adapter(LoRARequest("x", 200, str(unknown))).result()
 
 
+def test_a_decoders_embeddings_come_from_its_adapter(llama):
+    import numpy as np
+    import torch
+
+    llm = LLM(llama.base, attention_backend="torch", dtype="float32", enable_lora=True,
+              pooling="last", num_kv_blocks=64)
+    lora = llama.loras[1]
+    got = np.array([o.outputs.embedding for o in llm.embed(
+        [{"prompt_token_ids": p} for p in llama.prompts], use_tqdm=False, lora_request=lora)])
+    reference = peft_model(llama.base, lora.lora_path)
+    with torch.inference_mode():
+        want = np.stack([torch.nn.functional.normalize(reference(
+            torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1], dim=0).numpy()
+            for p in llama.prompts])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    base = np.array([o.outputs.embedding for o in llm.embed(
+        [{"prompt_token_ids": p} for p in llama.prompts], use_tqdm=False)])
+    assert not np.allclose(base, got, atol=1e-3)
+
+
+def test_an_adapter_removed_while_its_requests_run_lets_them_finish(llama):
+    llm = LLM(llama.base, attention_backend="torch", dtype="float32", enable_lora=True,
+              num_kv_blocks=64)
+    engine, lora = llm.llm_engine, llama.loras[0]
+    index = 3
+    engine.add_request("a", {"prompt_token_ids": llama.prompts[index]},
+                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS[index]), lora_request=lora)
+    engine.step()
+    engine.step()
+    assert not engine.remove_adapter(lora.lora_int_id)  # held by a running request
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].outputs[0].token_ids == llama.expected[1][index]
+    assert engine.remove_adapter(lora.lora_int_id)  # nobody holds it now
+    assert engine.stats()["lora_resident"] == []
+
+
 def test_lora_requests_need_enable_lora(llama):
     llm = LLM(llama.base, attention_backend="torch", dtype="float32", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_lora"):
