@@ -68,6 +68,11 @@ def test_adapters_load_answer_and_unload_through_the_openai_sdk(lora_app, adapte
             extra_body={"ignore_eos": True}).choices[0].text
         assert texts[name] == greedy_text(offline, adapters, name), name
     assert len(set(texts.values())) == 4  # each adapter answers for itself
+    from ray import serve
+    handle = serve.get_app_handle(APP_NAME)  # another Ray job's door: the same names
+    by_handle = handle.completions.remote({"model": "alpha", "prompt": PROMPT, "max_tokens": 8,
+                                           "temperature": 0, "ignore_eos": True}).result()
+    assert by_handle.model == "alpha" and by_handle.choices[0].text == texts["alpha"]
     chat = client.chat.completions.create(model="alpha", max_tokens=4, temperature=0,
                                           messages=[{"role": "user", "content": "hello"}])
     assert chat.model == "alpha" and chat.choices[0].message.content is not None
