@@ -9,8 +9,8 @@ core listed.
 It also lists the LoRA adapters the application serves (name -> id and path), so that every
 ingress replica resolves a name alike and an adapter's id (its identity in the cores' prefix
 caches) is given once. Ids start from the clock, so a restarted directory never gives an old
-id to other weights; adapters loaded at run time are lost with it (those of the `lora_modules`
-setting are registered again by every ingress replica). Ray Serve stays the control plane (it starts, scales, replaces and drains the
+id to other weights; adapters loaded at run time are lost with it (those of the
+`lora_modules` setting are registered again by every ingress replica). Ray Serve stays the control plane (it starts, scales, replaces and drains the
 replicas); the directory only tells the ingresses where the cores it started listen.
 """
 from __future__ import annotations
@@ -48,16 +48,16 @@ class CoreDirectory:
         if self.entries.pop(replica_id, None) is not None:
             self._bump()
 
-    def register_adapter(self, name: str, path: str) -> list | None:
-        """[name, id, path] of the adapter, under a new id unless it is listed with this path;
-        None where another adapter has this name."""
+    def register_adapter(self, name: str, path: str) -> tuple[list | None, bool]:
+        """([name, id, path] of the adapter, whether this call listed it): under a new id unless
+        it is listed with this path; (None, False) where another adapter has this name."""
         listed = self.adapters.get(name)
         if listed is not None:
-            return listed if listed[2] == path else None
+            return (listed if listed[2] == path else None), False
         self._next_adapter_id += 1
         self.adapters[name] = [name, self._next_adapter_id, path]
         self._bump()
-        return self.adapters[name]
+        return self.adapters[name], True
 
     def remove_adapter(self, name: str) -> list | None:
         listed = self.adapters.pop(name, None)

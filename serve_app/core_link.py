@@ -2,7 +2,8 @@
 
 It connects to the address the core's replica published (`serve_app/core_directory.py`), says
 `Hello`, then writes requests and aborts as they come and reads one `CoreOutputs` per engine step
-that had something for this ingress (`replicas/engine/protocol.py`), handing each to its `EngineClient`.
+that had something for this ingress, and the answers to its adapter loads
+(`replicas/engine/protocol.py`), handing each to its `EngineClient`.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class CoreLink:
             frames = protocol.client_reader()
             while data := await reader.read(_READ_SIZE):
                 for message in frames.feed(data):
-                    client.on_outputs(self, message)
+                    client.on_message(self, message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the requests on it hear of it below

@@ -72,7 +72,8 @@ class EngineClient:
         self.adapters: dict[str, LoRARequest] = {}  # the LoRA adapters served, by name
         self.static_adapters = static_adapters or {}  # lora_modules: name -> path
         self._listed = asyncio.Event()  # the directory's adapters have been read once
-        self._adapter_loads: dict[str, asyncio.Future] = {}  # LoadAdapter sent, by request id
+        # LoadAdapter sent and not answered: request id -> (its answer, the link it went on)
+        self._adapter_loads: dict[str, tuple[asyncio.Future, CoreLink]] = {}
         self._connected = asyncio.Event()
         self._ever_connected = False
 
@@ -110,7 +111,7 @@ class EngineClient:
         for name, path in self.static_adapters.items():
             if name not in adapters:
                 try:
-                    listed = await self.directory.register_adapter.remote(name, path)
+                    listed, _ = await self.directory.register_adapter.remote(name, path)
                 except Exception as exc:  # noqa: BLE001 - restarting: the next listing retries
                     logger.debug("core directory unavailable: %r", exc)
                     continue
@@ -126,7 +127,7 @@ class EngineClient:
         if not self._listed.is_set():
             try:
                 await asyncio.wait_for(self._listed.wait(), NO_CORE_WAIT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 raise errors.unavailable("the adapters served are not known yet",
                                          self.retry_after_s) from None
 
@@ -164,6 +165,10 @@ class EngineClient:
         self._update_live()
         for stream in list(link.requests.values()):
             stream.lost()
+        for request_id, (future, sent_on) in list(self._adapter_loads.items()):
+            if sent_on is link and not future.done():  # its answer will not come
+                future.set_exception(errors.unavailable(
+                    "the engine replica checking the adapter went away; retry", self.retry_after_s))
 
     async def _reconnect(self, link: CoreLink) -> None:
         """A core still listed whose link failed: try it again (the listing goes once its
@@ -186,10 +191,10 @@ class EngineClient:
             self._connected.clear()
 
     # -- what the cores send ----------------------------------------------------------------------
-    def on_outputs(self, link: CoreLink, message: protocol.CoreOutputs | protocol.AdapterLoaded
+    def on_message(self, link: CoreLink, message: protocol.CoreOutputs | protocol.AdapterLoaded
                    ) -> None:
         if isinstance(message, protocol.AdapterLoaded):
-            future = self._adapter_loads.pop(message.request_id, None)
+            future, _ = self._adapter_loads.pop(message.request_id, (None, None))
             if future is not None and not future.done():
                 future.set_result(message.error)
             return
@@ -335,13 +340,14 @@ class EngineClient:
             raise errors.unavailable("no engine replica is available to check the adapter",
                                      self.retry_after_s)
         request_id = uuid.uuid4().hex
-        future = self._adapter_loads[request_id] = asyncio.get_running_loop().create_future()
+        future = asyncio.get_running_loop().create_future()
         link = min(live, key=lambda link: self.router.load(link.replica_id))
+        self._adapter_loads[request_id] = (future, link)
         link.send(protocol.LoadAdapter(request_id, lora))
         self.router.adapter_sent(lora.lora_int_id, link.replica_id)
         try:
             return await asyncio.wait_for(future, ADAPTER_LOAD_WAIT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise errors.unavailable("the engine replica did not finish loading the adapter",
                                      self.retry_after_s) from None
         finally:

@@ -1,8 +1,9 @@
 """The HTTP surface: a FastAPI app built per ingress instance over its typed methods.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize,
-/v1/load_lora_adapter and /v1/unload_lora_adapter (under allow_runtime_lora_updating), /health (liveness), /health/ready (readiness: some engine generated lately), /metrics, /version,
-/docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize,
+/detokenize, /v1/load_lora_adapter and /v1/unload_lora_adapter (under
+allow_runtime_lora_updating), /health (liveness), /health/ready (readiness: some engine
+generated lately), /metrics, /version, /docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
 a failure after a stream started is sent as an error event, then `data: [DONE]`.
 """
 from __future__ import annotations

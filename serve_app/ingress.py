@@ -186,16 +186,21 @@ class Ingress:
         name = request.lora_name
         if name == info.name:
             raise errors.bad_request(f"{name!r} is the base model's name", "lora_name")
-        listed = await self.directory.register_adapter.remote(name, request.lora_path)
+        listed, created = await self.directory.register_adapter.remote(name, request.lora_path)
         if listed is None:
             raise errors.bad_request(f"The lora adapter '{name}' has already been loaded from "
                                      "another path: unload it first.", "lora_name")
         lora = LoRARequest(*listed)
-        error = await self.engines.load_adapter(lora)
-        if error is not None:
-            await self.directory.remove_adapter.remote(name)
-            self.engines.adapters.pop(name, None)
-            raise errors.bad_request(error, "lora_path")
+        loaded = False
+        try:  # listed first (the id is the directory's), unlisted again unless a core took it
+            error = await self.engines.load_adapter(lora)
+            if error is not None:
+                raise errors.bad_request(error, "lora_path")
+            loaded = True
+        finally:
+            if created and not loaded:
+                await self.directory.remove_adapter.remote(name)
+                self.engines.adapters.pop(name, None)
         self.engines.adapters[name] = lora  # here at once; the other ingresses as they hear
         logger.info("LoRA adapter %r loaded (id %d)", name, lora.lora_int_id)
         return f"Success: LoRA adapter '{name}' added successfully."
@@ -204,6 +209,10 @@ class Ingress:
         """vLLM's runtime unload: new requests for it get 404; those in flight finish."""
         request = _parse(UnloadLoRAAdapterRequest, request)
         self._check_runtime_lora()
+        if request.lora_name in self.settings.lora_modules:
+            raise errors.bad_request(f"The lora adapter '{request.lora_name}' is served from the "
+                                     "start (lora_modules): it cannot be unloaded at run time.",
+                                     "lora_name")
         listed = await self.directory.remove_adapter.remote(request.lora_name)
         lora = self.engines.adapters.pop(request.lora_name, None)
         if listed is None and lora is None:

@@ -21,6 +21,7 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
         if self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id}")
 
+    # vLLM's LoRARequest has these aliases too: code written for it reads them.
     @property
     def name(self) -> str:
         return self.lora_name

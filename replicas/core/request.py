@@ -39,6 +39,7 @@ class Request:
     lora: LoRARequest | None = None  # the adapter it runs with
     # While its adapter loads, the Future of the load (the engine's LoRAManager.load).
     adapter: Future | None = None
+    holds_adapter: bool = False  # its adapter is in memory and held for it until it ends
 
     def waits_on(self) -> list[Future]:
         """What must be done before it can be scheduled: its grammar, its adapter."""

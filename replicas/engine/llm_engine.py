@@ -173,8 +173,9 @@ class LLMEngine:
         if self.pending.pop(request_id) is not None:  # never reached the scheduler
             for seq in request.seqs:
                 seq.status = SequenceStatus.FINISHED_ABORTED
-        else:
-            self._release_adapter(request)
+            if request.adapter is not None:
+                self.lora.discard(request.adapter)
+        self._release_adapter(request)
         for seq in request.seqs:
             self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
         request.finish_time = time.monotonic()
@@ -302,14 +303,14 @@ class LLMEngine:
             attach_grammar(request)
         if request.adapter is not None:
             try:
-                self.lora.admit(request.adapter)
+                self.lora.admit(request.adapter, hold=True)
             except AdapterError as exc:
                 raise ParamError("model", f"LoRA adapter {request.lora.lora_name!r}: {exc}") from None
-            request.adapter = None
-            self.lora.acquire(request.lora.lora_int_id)
+            request.adapter, request.holds_adapter = None, True
 
     def _release_adapter(self, request: Request) -> None:
-        if request.lora is not None and request.adapter is None:
+        if request.holds_adapter:
+            request.holds_adapter = False
             self.lora.release(request.lora.lora_int_id)
 
     def _advance_grammar(self, seq: Sequence) -> None:

@@ -53,6 +53,12 @@ class ModelRunner:
             model_dir, dtype=config.dtype, device=str(self.device),
             attention_backend=config.attention_backend, tp=tp,
             quantization=config.quantization)
+        # The adapters' slot pool before the KV cache, which takes the device memory left.
+        self.lora = None  # the LoRAManager, under enable_lora
+        if config.enable_lora:
+            from pagedserve.replicas.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, self.dtype, self.device)
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         if self.kv_cache_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError("kv_cache_dtype other than the model dtype is supported on CPU only")
@@ -79,11 +85,6 @@ class ModelRunner:
         if kv_window_of(getattr(self.model, "sliding_windows", None)) is None:
             max_blocks_per_seq = min(max_blocks_per_seq, self.num_blocks)
         self.pooler = PromptPooler()
-        self.lora = None  # the LoRAManager, under enable_lora
-        if config.enable_lora:
-            from pagedserve.replicas.lora.manager import LoRAManager
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                    config.max_cpu_loras, self.dtype, self.device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
                                       max_blocks_per_seq, self.block_size, self.device)
         logger.info("kv cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,

@@ -16,6 +16,7 @@ from pagedserve.replicas.lora.targets import LoRATargets
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+DEFAULT_ALPHA = 8  # PEFT's LoraConfig default, for a config that leaves lora_alpha out
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -61,7 +62,18 @@ def read_config(path: Path) -> dict:
 
 def read_adapter(lora: LoRARequest, targets: LoRATargets, max_rank: int, dtype: torch.dtype
                  ) -> LoRAAdapter:
-    """The adapter at lora.lora_path, checked against the model's targets and max_rank."""
+    """The adapter at lora.lora_path, checked against the model's targets and max_rank. Any
+    failure is an AdapterError: the files are the user's, and no content of theirs may take
+    the engine down."""
+    try:
+        return _read(lora, targets, max_rank, dtype)
+    except AdapterError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a value of a type or shape nothing above checked
+        raise AdapterError(f"the adapter cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _read(lora: LoRARequest, targets: LoRATargets, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -92,10 +104,10 @@ def read_adapter(lora: LoRARequest, targets: LoRATargets, max_rank: int, dtype: 
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{module}: lora_A and lora_B must both be present")
         a, b = pair["A"], pair["B"]
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise AdapterError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are "
                                "not [r, in] and [out, r]")
+        rank = a.shape[0]
         if (a.shape[1], b.shape[0]) != (target.in_features, target.out_features):
             raise AdapterError(f"{module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not "
                                f"fit the model's [{target.out_features}, {target.in_features}] "
@@ -114,7 +126,7 @@ def read_adapter(lora: LoRARequest, targets: LoRATargets, max_rank: int, dtype: 
 def _scaling(config: dict, module: str, rank: int) -> float:
     """lora_alpha / r, or / sqrt(r) under rsLoRA; alpha_pattern overrides alpha per module, as
     PEFT matches it (the pattern against the module name's end)."""
-    alpha = config.get("lora_alpha", config["r"])
+    alpha = config.get("lora_alpha", DEFAULT_ALPHA)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?{pattern}$", module):
             alpha = value

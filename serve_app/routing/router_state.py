@@ -19,6 +19,10 @@ from pagedserve.serve_app.routing.prefix_index import PrefixIndex
 from pagedserve.serve_app.routing.rendezvous import ReplicaSet
 
 
+# Adapters whose recent sends the router remembers before it drops those past the optimistic TTL.
+MAX_ADAPTERS_SENT = 256
+
+
 class RouterState:
     def __init__(self, settings: RoutingSettings | None = None, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time):
@@ -138,7 +142,13 @@ class RouterState:
     def adapter_sent(self, adapter_id: int, replica_id: str) -> None:
         """replica_id was sent the adapter (a request for it, or a load): it holds it from now,
         for the optimistic TTL or until its digests say so."""
-        self._adapter_sent.setdefault(adapter_id, {})[replica_id] = self._clock()
+        now = self._clock()
+        if adapter_id not in self._adapter_sent and len(self._adapter_sent) >= MAX_ADAPTERS_SENT:
+            horizon = now - self.settings.optimistic_ttl_s  # ids are never reused: drop the stale
+            for stale in [a for a, sent in self._adapter_sent.items()
+                          if max(sent.values(), default=horizon) <= horizon]:
+                del self._adapter_sent[stale]
+        self._adapter_sent.setdefault(adapter_id, {})[replica_id] = now
 
     def refused(self, request_id: str, replica_id: str, block_hashes: Sequence[int],
                 dispatched_at: float) -> None:

@@ -90,6 +90,8 @@ def test_adapters_load_answer_and_unload_through_the_openai_sdk(lora_app, adapte
     with pytest.raises(NotFoundError):
         client.completions.create(model="beta", prompt="hi", max_tokens=2)
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 404
+    static = http.post("/v1/unload_lora_adapter", json={"lora_name": "static"})
+    assert static.status_code == 400 and "lora_modules" in static.json()["error"]["message"]
 
     # Bad adapters: 400 naming the field, nothing listed.
     bad = {"wide": "rank 32 is above max_lora_rank=16", "missing": "does not exist"}

@@ -34,18 +34,18 @@ def test_adapters_are_listed_with_ids_given_once():
         assert adapters == {}
         waiting = asyncio.ensure_future(directory.watch(version, timeout_s=30))
         await asyncio.sleep(0.01)
-        first = directory.register_adapter("a", "/x")
+        first, created = directory.register_adapter("a", "/x")
         version, _, adapters = await asyncio.wait_for(waiting, 1)  # watchers hear it at once
-        assert adapters == {"a": first} and first[:1] == ["a"] and first[2] == "/x"
-        assert directory.register_adapter("a", "/x") == first  # the same: the same id
-        assert directory.register_adapter("a", "/y") is None  # another under its name: refused
-        second = directory.register_adapter("b", "/y")
+        assert created and adapters == {"a": first} and first[:1] == ["a"] and first[2] == "/x"
+        assert directory.register_adapter("a", "/x") == (first, False)  # the same: the same id
+        assert directory.register_adapter("a", "/y") == (None, False)  # another under its name
+        second, _ = directory.register_adapter("b", "/y")
         assert second[1] > first[1]
         assert directory.remove_adapter("a") == first and directory.remove_adapter("a") is None
-        again = directory.register_adapter("a", "/x")
+        again, _ = directory.register_adapter("a", "/x")
         assert again[1] > second[1]  # a new id: its KV blocks are not the old ones'
         later = CoreDirectory(warmup_s=0.0)  # a restarted directory never repeats an id
-        assert later.register_adapter("c", "/z")[1] > again[1]
+        assert later.register_adapter("c", "/z")[0][1] > again[1]
 
     asyncio.run(main())
 
