@@ -1,6 +1,6 @@
 /* The batched multi-LoRA delta (csrc/lora.c) as other kernels' files call it: the fused decoder
- * loop (csrc/decoder_layers.c) adds each projection's adapters with it, passing a slice of its own
- * scratch so a step allocates nothing. */
+ * loop (csrc/decoder_layers.c) adds each projection's adapters with it, passing no scratch: the
+ * kernel keeps a decode step's on its stack, so a step allocates nothing. */
 #ifndef PAGEDSERVE_LORA_H
 #define PAGEDSERVE_LORA_H
 

@@ -109,18 +109,28 @@ def test_apply_takes_the_native_kernel(monkeypatch):
     assert len(calls) == 1
 
 
+# (shape, dtypes, pattern): one decode row over a wide N (the expand splits N between threads);
+# a decode step over many slots and one over one slot at n = 576 (the shrink splits its blocks of A,
+# the expand N in vectors, unevenly in tiles); a prefill chunk with short ranks.
+THREAD_CASES = [((1, 576, 8192, 16, 2), (BF16, BF16), "one"), ((32, 576, 576, 64, 16), (BF16, BF16), "mixed"),
+                ((32, 576, 576, 64, 1), (F32, BF16), "one"), ((256, 576, 192, 16, 4), (F32, F32), "short_ranks")]
+
+
 @needs_native
-def test_threads_split_one_row_and_agree():
-    # One decode row over a wide N: the expand splits N between threads; every element's sums run
-    # in the same order whatever the split, so the results are identical.
-    x, _, out, token_slots, lora_a, lora_b_t, ranks = make_case((1, 576, 8192, 16, 2), (BF16, BF16),
-                                                                "one", sliced=False)
-    outs = []
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        o = out.clone()
-        lora.lora_delta(x, o, token_slots, lora_a, lora_b_t, ranks)
-        outs.append(o)
+@pytest.mark.parametrize("shape,dtypes,pattern", THREAD_CASES,
+                         ids=["T{}_K{}_N{}_R{}_S{}".format(*c[0]) for c in THREAD_CASES])
+def test_threads_split_the_work_and_agree(shape, dtypes, pattern):
+    # Every element's sums run in the same order whatever the split, so the results are identical.
+    x, _, out, token_slots, lora_a, lora_b_t, ranks = make_case(shape, dtypes, pattern, sliced=False)
+    outs, threads_before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            o = out.clone()
+            lora.lora_delta(x, o, token_slots, lora_a, lora_b_t, ranks)
+            outs.append(o)
+    finally:
+        torch.set_num_threads(threads_before)
     assert torch.equal(*outs)
     assert_close(outs[0], expected_of(x, out, token_slots, lora_a, lora_b_t, ranks))
 
