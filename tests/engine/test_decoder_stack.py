@@ -95,6 +95,8 @@ def test_every_step_equals_the_layer_loop_bit_for_bit(checkpoints, name, dtype, 
     """Prefills, decodes, and prompt chunks beside decodes (on a prompt's cached keys too)."""
     model = load_model(checkpoints[name], dtype=dtype)[0]
     stack = model.model.decoder_stack
+    if stack is None and dtype is torch.bfloat16 and name == "dense":
+        pytest.skip("dense bf16 panels are packed for the native GEMM only with AVX512-BF16")
     assert stack is not None
     ran = []
     run = stack.run
@@ -126,7 +128,9 @@ def test_steps_with_lora_rows_equal_the_layer_loop_bit_for_bit(checkpoints, name
                 slots.set(slot, part, a.to(dtype), (torch.randn(rank, stop - start, generator=gen)
                                                    * 0.1).to(dtype))
     stack = model.model.decoder_stack
-    assert stack is not None and stack._lora is not None
+    if stack is None:  # bf16 panels need AVX512-BF16; the test above holds the stack to building
+        pytest.skip("this CPU level builds no decoder stack for these weights")
+    assert stack._lora is not None
     ran = []
     run = stack.run
     monkeypatch.setattr(stack, "run", lambda *a: ran.append(run(*a)) or ran[-1])
