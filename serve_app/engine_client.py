@@ -49,7 +49,7 @@ class EngineClient:
                  retry_after_s: int, metrics: RoutingMetrics | None = None,
                  on_replica_lost: Callable[[str], None] | None = None,
                  ask_for_replica: Callable[[], Awaitable] | None = None,
-                 static_adapters: dict[str, str] | None = None):
+                 on_adapters: Callable[[dict[str, list]], Awaitable] | None = None):
         self.directory = directory  # a handle to the CoreDirectory deployment
         self.client_id = uuid.uuid4().hex
         self.router = RouterState(routing)
@@ -69,9 +69,8 @@ class EngineClient:
         self._asking: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._version = -1
-        self.adapters: dict[str, LoRARequest] = {}  # the LoRA adapters served, by name
-        self.static_adapters = static_adapters or {}  # lora_modules: name -> path
-        self._listed = asyncio.Event()  # the directory's adapters have been read once
+        # The directory's LoRA adapters, each time it lists them (serve_app/adapters.py).
+        self.on_adapters = on_adapters or _ignore_adapters
         # LoadAdapter sent and not answered: request id -> (its answer, the link it went on)
         self._adapter_loads: dict[str, tuple[asyncio.Future, CoreLink]] = {}
         self._connected = asyncio.Event()
@@ -103,33 +102,7 @@ class EngineClient:
                 await asyncio.sleep(WATCH_RETRY_S)
                 continue
             self._reconcile({replica_id: tuple(address) for replica_id, address in entries.items()})
-            await self._list_adapters(adapters)
-
-    async def _list_adapters(self, adapters: dict[str, list]) -> None:
-        """The directory's adapters; those of lora_modules it lacks (it just started, or this
-        ingress did) are registered there first."""
-        for name, path in self.static_adapters.items():
-            if name not in adapters:
-                try:
-                    listed, _ = await self.directory.register_adapter.remote(name, path)
-                except Exception as exc:  # noqa: BLE001 - restarting: the next listing retries
-                    logger.debug("core directory unavailable: %r", exc)
-                    continue
-                if listed is None:
-                    logger.error("lora_modules: another adapter is loaded as %r", name)
-                else:
-                    adapters[name] = listed
-        self.adapters = {name: LoRARequest(*listed) for name, listed in adapters.items()}
-        self._listed.set()
-
-    async def adapters_listed(self) -> None:
-        """Until the adapters are known (only the first requests after start wait)."""
-        if not self._listed.is_set():
-            try:
-                await asyncio.wait_for(self._listed.wait(), NO_CORE_WAIT_S)
-            except asyncio.TimeoutError:
-                raise errors.unavailable("the adapters served are not known yet",
-                                         self.retry_after_s) from None
+            await self.on_adapters(adapters)
 
     def _reconcile(self, entries: dict[str, tuple[str, int, str]]) -> None:
         for replica_id, link in list(self.links.items()):
@@ -388,3 +361,7 @@ class EngineClient:
         for link in list(self.links.values()):
             for stream in list(link.requests.values()):
                 stream.queue.put(error)
+
+
+async def _ignore_adapters(listing: dict[str, list]) -> None:
+    pass

@@ -29,6 +29,7 @@ from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
 from pagedserve.replicas.core.pooling import pooling_params
 from pagedserve.replicas.core.sampling_params import ParamError, RequestOutputKind
 from pagedserve.serve_app import embeddings, errors, formatters, limits
+from pagedserve.serve_app.adapters import AdapterRegistry
 from pagedserve.serve_app.config import IngressSettings
 from pagedserve.serve_app.engine_client import EngineClient
 from pagedserve.serve_app.errors import OpenAIError
@@ -63,7 +64,8 @@ class Ingress:
     async def __init__(self, engine_replica, directory, settings: IngressSettings | dict):
         self.settings = IngressSettings.model_validate(settings)
         self.replica = engine_replica  # the control plane's calls: the model's facts, stats
-        self.directory = directory  # the cores' addresses, and the LoRA adapters served
+        self.adapters = AdapterRegistry(directory, self.settings.lora_modules,
+                                        self.settings.retry_after_s)
         self.replica_health = ReplicaHealth(REPLICA_DEPLOYMENT)
         self.drain_s = 0.0  # reconfigure() sets it, and the router's and the queue's settings
         self.engines = EngineClient(directory, RoutingSettings(), 0, self.settings.retry_after_s,
@@ -71,7 +73,7 @@ class Ingress:
                                                    REPLICA_DEPLOYMENT),
                                     self.replica_health.mark_dead,
                                     lambda: engine_replica.stats.remote(),
-                                    self.settings.lora_modules)
+                                    self.adapters.update)
         self.engines.start()
         self.pacer = StreamPacer(self.settings.max_stream_events_per_s,
                                  self.settings.max_stream_delay_s)
@@ -153,13 +155,13 @@ class Ingress:
 
     async def models(self) -> ModelList:
         info = await self.model_info()
-        await self.engines.adapters_listed()
+        adapters = await self.adapters.listed()
         return ModelList(data=[
             ModelCard(id=info.name, created=info.created, root=info.name,
                       max_model_len=info.max_model_len),
             *(ModelCard(id=name, created=info.created, root=lora.lora_path, parent=info.name,
                         max_model_len=info.max_model_len)
-              for name, lora in sorted(self.engines.adapters.items()))])
+              for name, lora in sorted(adapters.items()))])
 
     async def _checked_model(self, model: str | None) -> ModelInfo:
         return (await self._resolve(model))[0]
@@ -170,55 +172,28 @@ class Ingress:
         info = await self.model_info()
         if not model or model == info.name:
             return info, None
-        await self.engines.adapters_listed()
-        lora = self.engines.adapters.get(model)
+        lora = (await self.adapters.listed()).get(model)
         if lora is None:
             raise errors.model_not_found(model)
         return dataclasses.replace(info, name=lora.lora_name), lora
 
     # -- LoRA adapters -------------------------------------------------------------------------
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest | dict) -> str:
-        """vLLM's runtime load: the adapter is checked by an engine core, then served by every
-        ingress replica under its name."""
+        """vLLM's runtime load: checked by an engine core, then served by every ingress replica
+        under its name (`AdapterRegistry.load`)."""
         request = _parse(LoadLoRAAdapterRequest, request)
         self._check_runtime_lora()
-        info = await self.model_info()
-        name = request.lora_name
-        if name == info.name:
-            raise errors.bad_request(f"{name!r} is the base model's name", "lora_name")
-        listed, created = await self.directory.register_adapter.remote(name, request.lora_path)
-        if listed is None:
-            raise errors.bad_request(f"The lora adapter '{name}' has already been loaded from "
-                                     "another path: unload it first.", "lora_name")
-        lora = LoRARequest(*listed)
-        loaded = False
-        try:  # listed first (the id is the directory's), unlisted again unless a core took it
-            error = await self.engines.load_adapter(lora)
-            if error is not None:
-                raise errors.bad_request(error, "lora_path")
-            loaded = True
-        finally:
-            if created and not loaded:
-                await self.directory.remove_adapter.remote(name)
-                self.engines.adapters.pop(name, None)
-        self.engines.adapters[name] = lora  # here at once; the other ingresses as they hear
-        logger.info("LoRA adapter %r loaded (id %d)", name, lora.lora_int_id)
-        return f"Success: LoRA adapter '{name}' added successfully."
+        if request.lora_name == (await self.model_info()).name:
+            raise errors.bad_request(f"{request.lora_name!r} is the base model's name", "lora_name")
+        lora = await self.adapters.load(self.engines, request.lora_name, request.lora_path)
+        logger.info("LoRA adapter %r loaded (id %d)", lora.lora_name, lora.lora_int_id)
+        return f"Success: LoRA adapter '{lora.lora_name}' added successfully."
 
     async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest | dict) -> str:
         """vLLM's runtime unload: new requests for it get 404; those in flight finish."""
         request = _parse(UnloadLoRAAdapterRequest, request)
         self._check_runtime_lora()
-        if request.lora_name in self.settings.lora_modules:
-            raise errors.bad_request(f"The lora adapter '{request.lora_name}' is served from the "
-                                     "start (lora_modules): it cannot be unloaded at run time.",
-                                     "lora_name")
-        listed = await self.directory.remove_adapter.remote(request.lora_name)
-        lora = self.engines.adapters.pop(request.lora_name, None)
-        if listed is None and lora is None:
-            raise OpenAIError(f"The lora adapter '{request.lora_name}' cannot be found.", 404,
-                              param="lora_name", code="model_not_found")
-        self.engines.unload_adapter(lora or LoRARequest(*listed))
+        await self.adapters.unload(self.engines, request.lora_name)
         logger.info("LoRA adapter %r unloaded", request.lora_name)
         return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
