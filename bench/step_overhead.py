@@ -98,7 +98,8 @@ def _list_execute(runner: ModelRunner, out: SchedulerOutput) -> RunnerOutput:
         return RunnerOutput([], [], prompt_logprobs)
     logits = runner.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
     sampled = runner.sampler(logits, sampling_seqs)
-    return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs)
+    return RunnerOutput([[t] for t in sampled.sampled_token_ids],
+                        [None if p is None else [p] for p in sampled.logprobs], prompt_logprobs)
 
 
 def _same_inputs(a, b) -> bool:

@@ -83,6 +83,7 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     Flag("max_loras", ("--max-loras",)),
     Flag("max_lora_rank", ("--max-lora-rank",)),
     Flag("max_cpu_loras", ("--max-cpu-loras",)),
+    Flag("speculative_config", ("--speculative-config",), note="JSON, as in vLLM"),
     Flag("api_keys", ("--api-key",), own=False),
     Flag("host", ("--host",)),
     Flag("port", ("--port",)),
@@ -118,7 +119,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--enforce-eager": "pagedserve does not capture CUDA graphs; there is nothing to turn off",
     "--swap-space": "preempted requests are recomputed, never swapped",
     "--cpu-offload-gb": "weights stay on the replica's device",
-    "--speculative-config": "speculative decoding is not implemented",
     "--reasoning-parser": "reasoning parsers are not implemented",
     "--disable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",
     "--enable-log-requests": "requests are not logged; --access-log turns Ray Serve's log on",
@@ -161,6 +161,8 @@ MEANINGS: dict[str, str] = {
     "max_loras": "LoRA adapters one engine step can run: the slot pool's size",
     "max_lora_rank": "Largest LoRA rank; every slot is this wide",
     "max_cpu_loras": "LoRA adapters kept in memory per replica (LRU); none: max_loras",
+    "speculative_config": ('Speculative decoding, e.g. {"method": "ngram", '
+                           '"num_speculative_tokens": 4}; none: off'),
     "lora_modules": "LoRA adapters served from the start: name=path ...",
     "allow_runtime_lora_updating": ("POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                     "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),

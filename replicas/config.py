@@ -1,6 +1,7 @@
 """Engine settings: one pydantic model, vLLM-compatible names, defaults in one place."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +15,48 @@ DEFAULTS = dict(
     kv_cache_memory_gb=1.0,
     gpu_memory_utilization=0.9,
 )
+
+
+# vLLM's speculative methods this engine does not run, and what to use instead.
+_UNBUILT_SPEC_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
+                         "mlp_speculator")
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's `speculative_config`, for the methods built here: "ngram" (prompt lookup: drafts
+    copied from where the sequence's last n tokens appeared before; no second model)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(ge=1, le=32)  # drafts proposed per sequence and step
+    # The n-grams looked up, longest first. Unset, as in vLLM: both 5, or each the other.
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    # No drafts in a step whose batch holds more running sequences than this: the verify rows
+    # cost compute a busy step lacks. None: the engine's measured default (replicas/spec).
+    disable_by_batch_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_unbuilt(cls, data):
+        if isinstance(data, dict):
+            method = data.get("method")
+            if data.get("model") is not None or method in _UNBUILT_SPEC_METHODS:
+                what = f"method {method!r}" if method in _UNBUILT_SPEC_METHODS else "a draft model"
+                raise ValueError(f"speculative_config: {what} is not supported yet; "
+                                 "use {\"method\": \"ngram\", \"num_speculative_tokens\": k}")
+        return data
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must be at most prompt_lookup_max")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -75,6 +118,19 @@ class EngineConfig(BaseModel):
     max_loras: int = Field(1, ge=1)
     max_lora_rank: int = Field(16, ge=1)
     max_cpu_loras: int | None = Field(None, ge=1)
+    # Speculative decoding (vLLM's speculative_config, a dict or its JSON): e.g. {"method":
+    # "ngram", "num_speculative_tokens": 4}. None: off.
+    speculative_config: SpeculativeConfig | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        if isinstance(value, str):  # `serve run ... speculative_config='{...}'` and the CLI
+            try:
+                return json.loads(value) if value.strip() not in ("", "null", "None") else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        return value
 
     @field_validator("cpu_bind")
     @classmethod

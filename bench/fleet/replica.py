@@ -53,6 +53,7 @@ class SimSequence:
     eos_token_ids = ()
     ignore_eos = True
     priority = 0
+    spec_token_ids = ()  # the simulated engine proposes no drafts
 
     def __init__(self, request: Request, block_size: int):
         self.request = request
@@ -193,7 +194,7 @@ class SimReplica:
     def _finish_step(self, out, duration: float, num_tokens: int) -> None:
         self.num_steps += 1
         self.step_load.record(self.queue.now, duration, num_tokens)
-        sampled = self.scheduler.update(out, [0] * len(out.sampling))
+        sampled = self.scheduler.update(out, [[0]] * len(out.sampling))
         now = self.queue.now
         if sampled:
             self.last_generation_time = now

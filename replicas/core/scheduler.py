@@ -15,12 +15,14 @@ from pagedserve.replicas.core.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     start: int  # num_computed_tokens before this step: first position computed now
-    num_new_tokens: int
+    num_new_tokens: int  # its drafts included
+    # Drafts run after its last token (speculative decoding): the step verifies them.
+    spec_token_ids: list[int] = ()
 
     @property
     def samples(self) -> bool:
-        """Caught up to its last token, so this step yields its next token."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        """Caught up to its last token, so this step yields its next token(s)."""
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
@@ -116,14 +118,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            spec = seq.spec_token_ids
+            if spec:  # drafts go after its last token, as many as the budget leaves room for
+                seq.spec_token_ids = []
+                caught_up = num_new == seq.num_tokens - seq.num_computed_tokens
+                spec = spec[:budget - num_new] if caught_up else []
+                num_new += len(spec)
             while not self.block_manager.allocate_slots(seq, num_new):
+                if spec:  # drafts are the first thing to give up for blocks
+                    num_new, spec = num_new - len(spec), []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._add_scheduled(out, seq, num_new)
+                self._add_scheduled(out, seq, num_new, spec)
                 budget -= num_new
                 i += 1
                 continue
@@ -163,19 +174,35 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Append each sampling sequence's new token; finish those that hit a stop condition.
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[list[int]]) -> list[Sequence]:
+        """Append each sampling sequence's new tokens, up to one that ends it.
 
-        sampled_token_ids has one entry per sequence of `out.sampling`, in order; returns those
-        sequences.
+        sampled_token_ids has one list per sequence of `out.sampling`, in order (one token, or
+        a verified run: accepted drafts and the token after them); returns those sequences.
         """
         sampling = out.sampling
-        for seq, token_id in zip(sampling, sampled_token_ids, strict=True):
-            seq.append_token(token_id)
-            status = self._check_stop(seq, token_id)
-            if status is not None:
-                self.finish(seq, status)
+        for seq, token_ids in zip(sampling, sampled_token_ids, strict=True):
+            for token_id in token_ids:
+                if not self.append_token(seq, token_id):
+                    break
+            self.end_step(seq)
         return sampling
+
+    def append_token(self, seq: Sequence, token_id: int) -> bool:
+        """Append one sampled token; finish seq if it meets a stop condition. Whether it runs on."""
+        seq.append_token(token_id)
+        status = self._check_stop(seq, token_id)
+        if status is not None:
+            self.finish(seq, status)
+            return False
+        return True
+
+    @staticmethod
+    def end_step(seq: Sequence) -> None:
+        """After a sampling step's tokens are appended: the KV of rejected drafts (positions from
+        the last token on) no longer counts as computed; the next tokens overwrite it."""
+        if seq.num_computed_tokens >= seq.num_tokens:
+            seq.num_computed_tokens = seq.num_tokens - 1
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.is_finished:
@@ -187,8 +214,9 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
 
-    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int,
+                       spec: list[int] = ()) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, spec))
         seq.num_computed_tokens += num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -57,6 +57,8 @@ class Sequence:
     grammar: Any = field(default=None, repr=False)
     priority: int = 0  # under the priority policy: lower is served first
     lora_id: int = 0  # its LoRA adapter's lora_int_id; 0: the base model
+    # Drafts proposed for its next step (speculative decoding), consumed when it is scheduled.
+    spec_token_ids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def schedule_key(self) -> tuple[int, float, int]:

@@ -22,6 +22,14 @@ REPLICA_COUNTERS = {
     "pagedserve_lora_loads": ("lora_loads", "LoRA adapters read into memory"),
     "pagedserve_lora_evictions": ("lora_evictions", "LoRA adapters dropped from memory (LRU)"),
     "pagedserve_lora_slot_loads": ("lora_slot_loads", "LoRA adapters copied into a batch slot"),
+    # Speculative decoding, as vLLM's spec_decode counters: acceptance rate is accepted / draft
+    # tokens, the mean tokens a verify yields 1 + accepted / drafts.
+    "pagedserve_spec_decode_num_drafts": ("spec_decode_num_drafts",
+                                          "Verify runs: a sequence with drafts in a step"),
+    "pagedserve_spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",
+                                                "Draft tokens proposed and verified"),
+    "pagedserve_spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
+                                                   "Draft tokens accepted"),
 }
 
 

@@ -54,6 +54,11 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.max_loras if config.enable_lora else None)
         self.lora = self.runner.lora  # the LoRAManager under enable_lora, else None
+        self.speculator = None  # drafts for the next step, under speculative_config
+        if config.speculative_config is not None:
+            from pagedserve.replicas.spec.speculator import Speculator
+            self.speculator = Speculator(config.speculative_config, self.max_model_len,
+                                         on_cpu=self.runner.device.type == "cpu")
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.pending = PendingRequests(self._admit)  # grammars compiling, adapters loading
@@ -199,6 +204,8 @@ class LLMEngine:
         if self.pending:
             self._admit_pending()
         began = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.pending:  # nothing else to do: wait a moment for a grammar or an adapter
@@ -223,26 +230,38 @@ class LLMEngine:
             self._add_prompt_logprobs(scheduler_output.seq(seq_id), start, positions)
         for seq_id, embedding in runner_output.pooled.items():  # it finishes in this update
             self.requests[scheduler_output.seq(seq_id).request_id].embedding = embedding
-        sampled = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
-        self.num_generation_tokens += len(sampled)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token_id, logprobs in zip(sampled, runner_output.sampled_token_ids,
-                                           runner_output.logprobs):
+        scheduler = self.scheduler
+        spec = {s.seq.seq_id: len(s.spec_token_ids) for s in scheduler_output.scheduled
+                if s.spec_token_ids} if self.speculator is not None else None
+        for seq, token_ids, logprobs in zip(scheduler_output.sampling,
+                                            runner_output.sampled_token_ids,
+                                            runner_output.logprobs, strict=True):
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now
-            if logprobs is not None:
-                if request.sampling_params.detokenize:  # else the ingress decodes them
-                    self._fill_decoded([logprobs])
-                request.logprobs[seq.index].append(logprobs)
-                request.cumulative_logprobs[seq.index] += logprobs[token_id].logprob
-            self._detokenize(request, seq, token_id)
-            if seq.grammar is not None and not seq.is_finished:
-                self._advance_grammar(seq)
+            # Token by token: a stop token, max_tokens, a stop string or the grammar's end may
+            # come inside a verified run, and the tokens after it are dropped.
+            for i, token_id in enumerate(token_ids):
+                self.num_generation_tokens += 1
+                scheduler.append_token(seq, token_id)
+                if logprobs is not None:
+                    if request.sampling_params.detokenize:  # else the ingress decodes them
+                        self._fill_decoded([logprobs[i]])
+                    request.logprobs[seq.index].append(logprobs[i])
+                    request.cumulative_logprobs[seq.index] += logprobs[i][token_id].logprob
+                self._detokenize(request, seq, token_id)
+                if seq.grammar is not None and not seq.is_finished:
+                    self._advance_grammar(seq)
+                if seq.is_finished:
+                    break
+            scheduler.end_step(seq)
+            if spec and seq.seq_id in spec:
+                self.speculator.record(seq, spec[seq.seq_id], len(token_ids) - 1)
             if seq.is_finished:
-                self.runner.release(seq.seq_id)
+                self._release(seq.seq_id)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -286,6 +305,7 @@ class LLMEngine:
             **autoscaling_inputs(bm, self.step_load, time.monotonic()),
             **self.runner.platform,  # dtype, kv_cache_dtype, cpu: model, level, flags, kernels
             **(self.lora.stats() if self.lora is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     # -- internals --------------------------------------------------------------------------
@@ -354,7 +374,13 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, status)
-            self.runner.release(seq.seq_id)
+            self._release(seq.seq_id)
+
+    def _release(self, seq_id: int) -> None:
+        """A finished sequence's state outside the scheduler: the runner's, the speculator's."""
+        self.runner.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(seq_id)
 
     def _add_prompt_logprobs(self, seq: Sequence, start: int, positions: list) -> None:
         # After a preemption the prompt is recomputed: keep only positions not seen before.

@@ -27,9 +27,12 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [len(sampling_seqs)] int64: hidden-state rows that sample
+    logits_indices: torch.Tensor  # int64: hidden-state rows that sample, each sequence's in turn
     sampling_seqs: list[Sequence]  # scheduled sequences that sample this step, in schedule order
     query_start_loc: np.ndarray  # [batch + 1] host copy, for slicing one sequence's rows
+    # Aligned with sampling_seqs where any has drafts to verify (each then has 1 + its drafts'
+    # rows in logits_indices), else None (one row each).
+    spec_token_ids: list[list[int]] | None = None
 
 
 class _Buffer:
@@ -68,7 +71,7 @@ class InputBatch:
         self.query_start_loc = _Buffer(max_num_seqs + 1, torch.int32, device)
         self.seq_lens = _Buffer(max_num_seqs, torch.int32, device)
         self.block_tables = _Buffer(max_num_seqs * max_blocks_per_seq, torch.int32, device)
-        self.logits_indices = _Buffer(max_num_seqs, torch.int64, device)
+        self.logits_indices = _Buffer(max(max_num_seqs, max_num_batched_tokens), torch.int64, device)
         self._arange = np.arange(max_num_batched_tokens)
         # The last step's copies still read the pinned buffers until this event has passed.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -93,7 +96,8 @@ class InputBatch:
             self._copied.synchronize()
         starts = [item.start for item in scheduled]
         query_lens = [item.num_new_tokens for item in scheduled]
-        rows, token_ids, sampling_seqs, sampling_items = [], [], [], []
+        rows, token_ids, sampling_seqs, sampling_items, drafts = [], [], [], [], []
+        num_drafts = 0
         width = 1
         for i, item in enumerate(scheduled):
             seq = item.seq
@@ -106,10 +110,17 @@ class InputBatch:
             if len(table) > width:
                 width = len(table)
             rows.append(row)
-            token_ids += seq.token_ids[item.start:item.start + item.num_new_tokens]
+            spec = item.spec_token_ids
+            if spec:
+                token_ids += seq.token_ids[item.start:]
+                token_ids += spec
+                num_drafts += len(spec)
+            else:
+                token_ids += seq.token_ids[item.start:item.start + item.num_new_tokens]
             if item.samples:
                 sampling_seqs.append(seq)
                 sampling_items.append(i)
+                drafts.append(spec)
 
         num_seqs, bs = len(rows), self.block_size
         rows_np, starts_np = np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64)
@@ -135,8 +146,15 @@ class InputBatch:
         self.input_ids.array[:num_tokens] = token_ids
         tables = self.block_tables.array[:num_seqs * width].reshape(num_seqs, width)
         self.block_table[:, :width].take(rows_np, axis=0, out=tables)
-        logits_indices = self.logits_indices.array[:len(sampling_items)]
-        np.subtract(query_start_loc[np.array(sampling_items, dtype=np.int64) + 1], 1, out=logits_indices)
+        num_logits = len(sampling_items) + num_drafts
+        logits_indices = self.logits_indices.array[:num_logits]
+        if num_drafts:  # a sequence's last token and its drafts: the last 1 + k rows of its run
+            logits_indices[:] = [index for i, spec in zip(sampling_items, drafts)
+                                 for index in range(query_start_loc[i + 1] - 1 - len(spec),
+                                                    query_start_loc[i + 1])]
+        else:
+            np.subtract(query_start_loc[np.array(sampling_items, dtype=np.int64) + 1], 1,
+                        out=logits_indices)
 
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.to_device(num_tokens),
@@ -148,8 +166,8 @@ class InputBatch:
             query_start_loc_cpu=query_start_loc.tolist(),
         )
         step = StepInputs(self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens),
-                          metadata, self.logits_indices.to_device(len(sampling_items)),
-                          sampling_seqs, query_start_loc)
+                          metadata, self.logits_indices.to_device(num_logits),
+                          sampling_seqs, query_start_loc, drafts if num_drafts else None)
         if self._copied is not None:
             self._copied.record()
         return step

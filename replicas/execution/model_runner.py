@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled_token_ids: list[int]  # one per scheduled sequence that samples, in schedule order
-    logprobs: list[PositionLogprobs | None]  # aligned with sampled_token_ids
+    # Per scheduled sequence that samples, in schedule order: its new token, or under
+    # speculative decoding its accepted drafts and the token after them.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[PositionLogprobs] | None]  # aligned with sampled_token_ids, where asked
     # seq_id -> (first prompt position p, logprobs of prompt tokens p+1, p+2, ...)
     prompt_logprobs: dict[int, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     pooled: dict[int, list[float]] = field(default_factory=dict)  # seq_id -> pooling embedding
@@ -126,8 +128,13 @@ class ModelRunner:
         if not step.sampling_seqs:
             return RunnerOutput([], [], prompt_logprobs, pooled)
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        if step.spec_token_ids is not None:
+            tokens, logprobs = self.sampler.verify(logits, step.sampling_seqs, step.spec_token_ids)
+            return RunnerOutput(tokens, logprobs, prompt_logprobs, pooled)
         sampled = self.sampler(logits, step.sampling_seqs)
-        return RunnerOutput(sampled.sampled_token_ids, sampled.logprobs, prompt_logprobs, pooled)
+        return RunnerOutput([[t] for t in sampled.sampled_token_ids],
+                            [None if p is None else [p] for p in sampled.logprobs],
+                            prompt_logprobs, pooled)
 
     def check_health(self) -> None:
         """RuntimeError when a tensor-parallel rank has died (the replica must be replaced)."""

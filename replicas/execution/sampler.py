@@ -19,6 +19,7 @@ from pagedserve.replicas.execution.penalties import (
     apply_logit_bias, apply_min_tokens, apply_penalties, has_penalties, min_tokens_active,
 )
 from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.replicas.execution.verify import verify
 
 __all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
@@ -91,11 +92,21 @@ class Sampler:
                 logprobs[i] = position
         return SamplerOutput(sampled.tolist(), logprobs)
 
-    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+               ) -> tuple[list[list[int]], list[list[PositionLogprobs] | None]]:
+        """Each sequence's accepted drafts and the token after them, from logits at its last
+        token and at each draft (replicas/execution/verify.py)."""
+        return verify(self, logits, seqs, drafts)
+
+    def bitmask(self, vocab_size: int):
+        """The TokenBitmask constrained rows are masked with, made when the first one comes."""
         if self._bitmask is None:
             from pagedserve.replicas.structured.bitmask import TokenBitmask
-            self._bitmask = TokenBitmask(self.max_num_seqs, logits.shape[1], self.device)
-        self._bitmask.apply(logits, rows, [seqs[i].grammar.matcher for i in rows])
+            self._bitmask = TokenBitmask(self.max_num_seqs, vocab_size, self.device)
+        return self._bitmask
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        self.bitmask(logits.shape[1]).apply(logits, rows, [seqs[i].grammar.matcher for i in rows])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]

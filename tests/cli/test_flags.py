@@ -54,6 +54,18 @@ def test_vllm_lora_flags_build_the_lora_settings():
         ServeSettings.from_args({"enable_lora": "true", "lora_modules": "a=/x a=/y"}, env={})
 
 
+def test_vllm_speculative_config_flag_builds_the_setting():
+    args = parse(["--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    spec = ServeSettings.from_args(args, env={}).engine.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) == ("ngram", 3, 4, 4)
+    assert ServeSettings.from_args({}, env={}).engine.speculative_config is None
+    with pytest.raises(ValueError, match="draft model"):
+        ServeSettings.from_args({"speculative_config": '{"model": "/d", "num_speculative_tokens": 2}'},
+                                env={})
+
+
 def test_vllm_tool_call_flags_are_accepted_and_set_nothing():
     # `vllm serve M --enable-auto-tool-choice --tool-call-parser hermes` works unchanged.
     assert parse(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == parse([])

@@ -137,7 +137,7 @@ def test_scheduler_driven_steps_match_reference(seed):
             continue
         check_step(batch, out.scheduled)
         sampling = [s.seq for s in out.scheduled if s.samples]
-        scheduler.update(out, [rng.randrange(100) for _ in sampling])
+        scheduler.update(out, [[rng.randrange(100)] for _ in sampling])
         if scheduler.running and rng.random() < 0.05:
             sampling.append(rng.choice(scheduler.running))
             scheduler.finish(sampling[-1], SequenceStatus.FINISHED_ABORTED)

@@ -25,7 +25,7 @@ def run_to_completion(sched, token=7, max_steps=1000):
         if out.is_empty:
             break
         steps.append([(s.seq.seq_id, s.start, s.num_new_tokens) for s in out.scheduled])
-        sched.update(out, [token] * sum(s.samples for s in out.scheduled))
+        sched.update(out, [[token]] * sum(s.samples for s in out.scheduled))
     return steps
 
 
@@ -36,7 +36,7 @@ def test_prefill_then_decode_one_token_each():
     out = sched.schedule()
     assert [(s.seq, s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [
         (a, 0, 5, True), (b, 0, 3, True)]
-    sched.update(out, [11, 12])
+    sched.update(out, [[11], [12]])
     assert a.output_token_ids == [11] and b.output_token_ids == [12]
     out = sched.schedule()
     assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(5, 1), (3, 1)]
@@ -56,7 +56,7 @@ def test_decodes_and_prefill_chunk_share_a_step():
     sched, _ = make(budget=10)
     a = seq(4)
     sched.add(a)
-    sched.update(sched.schedule(), [1])
+    sched.update(sched.schedule(), [[1]])
     b = seq(30, start=50)
     sched.add(b)
     out = sched.schedule()
@@ -71,12 +71,12 @@ def test_queued_prefill_counts_what_is_left_of_each_prompt_less_its_cache_hit():
     sched.update(sched.schedule(), [])  # a chunk of 8
     assert sched.queued_prefill_tokens() == 11
     sched.update(sched.schedule(), [])
-    sched.update(sched.schedule(), [5])  # the last chunk samples the first token
+    sched.update(sched.schedule(), [[5]])  # the last chunk samples the first token
     assert sched.queued_prefill_tokens() == 0  # decoding
     b = seq(12)  # the same first 12 tokens: two of its three full blocks hit the cache...
     sched.add(b)
     assert sched.queued_prefill_tokens() == 11  # ...which waiting, it does not know yet
-    sched.update(sched.schedule(), [5, 5])  # a decodes; b is admitted, its hit found
+    sched.update(sched.schedule(), [[5], [5]])  # a decodes; b is admitted, its hit found
     assert b.num_cached_tokens == 8 and sched.queued_prefill_tokens() == 0
 
 
@@ -159,7 +159,7 @@ def test_abort_frees_blocks():
     sched, bm = make()
     a, b = seq(9), seq(9, start=50)
     sched.add(a), sched.add(b)
-    sched.update(sched.schedule(), [1, 1])
+    sched.update(sched.schedule(), [[1], [1]])
     sched.finish(a, SequenceStatus.FINISHED_ABORTED)
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert bm.num_free_blocks == bm.num_blocks and not sched.has_unfinished()
@@ -185,7 +185,7 @@ def test_sliding_window_generations_run_in_a_small_pool():
         for s in (a, b):
             if not s.is_finished:
                 assert sum(block != 0 for block in s.block_table) <= bm.max_blocks_held(s.num_tokens, 16)
-        sched.update(out, [7] * sum(s.samples for s in out.scheduled))
+        sched.update(out, [[7]] * sum(s.samples for s in out.scheduled))
     assert a.num_output_tokens == b.num_output_tokens == 300 and sched.num_preemptions == 0
     assert bm.num_free_blocks == bm.num_blocks and bm.num_dropped == {}
 

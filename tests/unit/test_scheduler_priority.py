@@ -46,7 +46,7 @@ def test_priority_preempts_the_least_urgent_running_sequence():
     for s in (normal, background, urgent):
         sched.add(s)
     first = sched.schedule()
-    sched.update(first, [7] * len(first.scheduled))
+    sched.update(first, [[7]] * len(first.scheduled))
     out = sched.schedule()  # each needs a second block: only one can have it
     assert out.preempted == [background, normal]  # least urgent first, whatever the arrival
     assert [s.seq for s in out.scheduled] == [urgent]
@@ -58,7 +58,7 @@ def test_priority_preempts_the_least_urgent_running_sequence():
     for s in (n2, b2, u2):
         fcfs.add(s)
     first = fcfs.schedule()
-    fcfs.update(first, [7] * len(first.scheduled))
+    fcfs.update(first, [[7]] * len(first.scheduled))
     out = fcfs.schedule()
     assert out.preempted == [u2, b2] and [s.seq for s in out.scheduled] == [n2]
 

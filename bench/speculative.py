@@ -1,0 +1,210 @@
+"""Speculative decoding against plain decoding, measured in the same run, on the default model
+(SmolLM2-135M-Instruct, Q4_1 GGUF, default dtype).
+
+    python -m bench.speculative                      # ngram, k=4, lookup 2..4; every part
+    python -m bench.speculative --k 8 --lookup 3,5 --rounds 5 --parts batch1
+    python -m bench.speculative --quick              # smoke run: short outputs, 1 round
+
+Two engines, built once: plain, and one with speculative_config {"method": "ngram", ...}.
+Parts:
+- batch1: each workload's chat alone, greedy, up to --max-tokens tokens, from an empty
+  prefix cache: decode tok/s = (tokens - 1) / (last token - first token), the engine's own
+  timestamps, so prefill is left out (it is the same work on both). `same tokens` counts the
+  leading tokens both give: all of them in float32 (--dtype float32); in bf16 a verify step's
+  rows may round differently from a one-row step's (the quantized kernels sum a tile of one or
+  two rows in another order), so a near tie can go the other way, as it can between a request
+  alone and in a batch.
+  Workloads: `passage` (repeat a passage with one word changed), `code` (a code block with one
+  name changed), `agent` (a tool loop whose earlier calls and results the next turn repeats),
+  and `open` (a question whose answer copies nothing: drafts rarely come, and must cost nothing).
+- turnoff: the passage chat at concurrency 1..32 (one generate() of that many copies), drafts
+  forced on at every batch size (disable_by_batch_size large) against plain: output tok/s over
+  wall time. Where the ratio falls under 1 is where drafts stop paying on this CPU: the engine's
+  default disable_by_batch_size (replicas/spec/speculator.py) should sit below it.
+- conc32: 32 different chats at once (the workloads' prompts in turn) with the default
+  configuration (drafts off past disable_by_batch_size) against plain: output tok/s (goal >=
+  0.95x).
+Systems alternate, the order reversed every round; medians over --rounds. Writes
+bench/results/speculative.json and speculative.png (ratio against concurrency), the CPU named.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench.common import cpu_info, write_result
+
+PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred years. "
+           "Every night its keeper climbed the narrow stairs, lit the great lamp, and watched the "
+           "ships pass safely through the dark water below. The villagers said that the light had "
+           "never once failed, not even during the worst storms of winter. When the keeper grew "
+           "old, his daughter took over the work. She repaired the broken windows, painted the "
+           "iron railings white again, and kept a careful log of every ship that passed. Years "
+           "later, when the harbour was closed and the lighthouse was no longer needed, the "
+           "village turned it into a small museum, and her log books are still kept there today.")
+CODE = '''def total_price(items, tax_rate, discount=None):
+    subtotal = 0
+    for item in items:
+        if item.quantity <= 0:
+            continue
+        subtotal += item.price * item.quantity
+    if discount is not None:
+        subtotal = subtotal - discount
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def average_price(items):
+    if not items:
+        return 0
+    return sum(item.price for item in items) / len(items)'''
+TOOL_CALL = '{"name": "search_files", "arguments": {"pattern": "TODO", "path": "src/"}}'
+TOOL_RESULT = ("src/app.py:12: TODO handle errors from the payment service\n"
+               "src/db.py:40: TODO close the connection when the pool shuts down\n"
+               "src/api.py:88: TODO validate the request body before saving it")
+WORKLOADS = {
+    "passage": [{"role": "user", "content": "Repeat this passage exactly, word for word, but "
+                 f"change 'lighthouse' to 'tower':\n\n{PASSAGE}"}],
+    "code": [{"role": "user", "content": "Rename the variable `subtotal` to `net` in this code "
+              f"and output the whole code:\n\n{CODE}"}],
+    "agent": [{"role": "system", "content": "You call tools by writing their JSON call."},
+              {"role": "user", "content": "Find the TODOs in src/ and list them."},
+              {"role": "assistant", "content": TOOL_CALL},
+              {"role": "user", "content": f"Tool result:\n{TOOL_RESULT}\n\nList every TODO "
+               "found, quoting each line exactly as the tool printed it."}],
+    "open": [{"role": "user", "content": "Why do cats purr? Answer in a few sentences."}],
+}
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+
+
+def decode_rate(output) -> float:
+    m = output.metrics
+    n = len(output.outputs[0].token_ids)
+    return (n - 1) / (m["finish_time"] - m["first_token_time"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", default="batch1,turnoff,conc32")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="activations: auto (the default), float32")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.max_tokens, args.rounds = 32, 1
+    parts = args.parts.split(",")
+    lookup_min, lookup_max = (int(x) for x in args.lookup.split(","))
+
+    from pagedserve import LLM, SamplingParams
+
+    common = {"dtype": args.dtype, **({"num_threads": args.threads} if args.threads else {})}
+    config = {"method": "ngram", "num_speculative_tokens": args.k,
+              "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
+    engines = {"plain": LLM(None, **common),
+               "ngram": LLM(None, speculative_config=config, **common)}
+    forced = LLM(None, speculative_config={**config, "disable_by_batch_size": 1024}, **common) \
+        if "turnoff" in parts else None
+    # The answer ends where the model ends it: past its end a small model rambles, and copying
+    # the context is what the workloads measure.
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+
+    def chat(llm, conversations):
+        llm.llm_engine.block_manager.reset_prefix_cache()
+        return llm.chat(conversations, params, use_tqdm=False)
+
+    def alternate(systems: dict, fn, rounds: int) -> dict[str, list]:
+        results = {name: [] for name in systems}
+        for r in range(rounds):
+            order = list(systems) if r % 2 == 0 else list(reversed(systems))
+            for name in order:
+                results[name].append(fn(systems[name]))
+        return results
+
+    for llm in (*engines.values(), *([forced] if forced else [])):
+        chat(llm, [WORKLOADS["passage"]])  # warm-up
+    result = {"config": config, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "dtype": engines["plain"].llm_engine.runner.platform["dtype"]}
+
+    if "batch1" in parts:
+        result["batch1"] = {}
+        for name, conversation in WORKLOADS.items():
+            spec = engines["ngram"].llm_engine.speculator
+            before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
+            runs = alternate(engines, lambda llm: chat(llm, [conversation])[0], args.rounds)
+            texts = {n: runs[n][-1].outputs[0].text for n in runs}
+            ids = {n: runs[n][-1].outputs[0].token_ids for n in runs}
+            same = next((i for i, (a, b) in enumerate(zip(ids["plain"], ids["ngram"])) if a != b),
+                        len(ids["plain"]))
+            rates = {n: statistics.median(decode_rate(o) for o in runs[n]) for n in runs}
+            drafted = spec.num_draft_tokens - before[0]
+            accepted = spec.num_accepted_tokens - before[1]
+            runs_verified = spec.num_drafts - before[2]
+            row = {"plain_tok_s": rates["plain"], "ngram_tok_s": rates["ngram"],
+                   "speedup": rates["ngram"] / rates["plain"],
+                   "acceptance_rate": accepted / drafted if drafted else 0.0,
+                   "mean_accepted_length": 1 + accepted / runs_verified if runs_verified else 0.0,
+                   "same_tokens": same, "text": texts["plain"][:200]}
+            result["batch1"][name] = row
+            print(f"batch 1 {name:8s} plain {row['plain_tok_s']:6.1f} tok/s  ngram "
+                  f"{row['ngram_tok_s']:6.1f} tok/s  x{row['speedup']:.2f}  acceptance "
+                  f"{row['acceptance_rate']:.2f}  mean run {row['mean_accepted_length']:.2f}  "
+                  f"same tokens {same}/{len(ids['plain'])}")
+
+    def throughput(llm, conversations) -> float:
+        start = time.perf_counter()
+        outs = chat(llm, conversations)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    if "turnoff" in parts:
+        result["turnoff"] = {}
+        for c in CONCURRENCY:
+            systems = {"plain": engines["plain"], "forced": forced}
+            runs = alternate(systems, lambda llm: throughput(llm, [WORKLOADS["passage"]] * c),
+                             args.rounds)
+            rates = {n: statistics.median(v) for n, v in runs.items()}
+            result["turnoff"][c] = {**rates, "ratio": rates["forced"] / rates["plain"]}
+            print(f"turn-off c={c:2d}  plain {rates['plain']:7.1f} tok/s  drafts always "
+                  f"{rates['forced']:7.1f} tok/s  x{rates['forced'] / rates['plain']:.2f}")
+
+    if "conc32" in parts:
+        names = list(WORKLOADS)
+        conversations = [WORKLOADS[names[i % len(names)]] for i in range(32)]
+        runs = alternate(engines, lambda llm: throughput(llm, conversations), args.rounds)
+        rates = {n: statistics.median(v) for n, v in runs.items()}
+        result["conc32"] = {**rates, "ratio": rates["ngram"] / rates["plain"], "goal": 0.95}
+        print(f"concurrency 32: plain {rates['plain']:.1f} tok/s  ngram (default turn-off) "
+              f"{rates['ngram']:.1f} tok/s  x{rates['ngram'] / rates['plain']:.2f} (goal >= 0.95)")
+
+    cpu = cpu_info()
+    path = write_result("speculative", result)
+    if "turnoff" in result:
+        plot(path.with_suffix(".png"), result, cpu)
+    print(f"wrote {path}  ({cpu.get('model')}, level {cpu.get('level')})")
+
+
+def plot(path, result: dict, cpu: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = list(result["turnoff"])
+    ax.plot(xs, [result["turnoff"][c]["ratio"] for c in xs], marker="o", label="drafts always on")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (passage chat)")
+    ax.set_ylabel("output tok/s / plain decoding")
+    ax.set_title(f"ngram speculation, k={result['config']['num_speculative_tokens']}\n"
+                 f"{cpu.get('model')} ({cpu.get('level')})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""Speculative decoding's proposing side: which sequences get drafts and how many (speculator.py),
+and the drafts themselves, by prompt lookup (ngram.py). Verifying them is the sampler's
+(replicas/execution/verify.py)."""

@@ -1,0 +1,141 @@
+"""Speculative decoding's parts alone: prompt lookup, the scheduler's drafts, and the verify
+sampler's distribution (a chi-square test against the target's)."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from pagedserve.replicas.config import SpeculativeConfig
+from pagedserve.replicas.core.block_manager import BlockManager
+from pagedserve.replicas.core.sampling_params import SamplingParams
+from pagedserve.replicas.core.scheduler import Scheduler
+from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.replicas.execution.sampler import Sampler
+from pagedserve.replicas.spec.ngram import NgramProposer
+from pagedserve.replicas.spec.speculator import Speculator
+
+
+def test_lookup_takes_the_latest_longest_match():
+    proposer = NgramProposer(3, 1, 3)
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert proposer.propose(0, tokens, 10) == [7, 8, 5]  # the latest [1, 2, 3], not the first
+    assert proposer.propose(0, tokens + [4], 10) == []  # 4 never came before
+    assert proposer.propose(0, tokens + [4, 9], 10) == [1, 2, 3]  # a 1-gram: after its latest
+    assert proposer.propose(0, tokens + [4, 9], 1) == [1]  # capped by the room left
+    assert NgramProposer(3, 2, 3).propose(1, tokens + [4, 9], 10) == []  # no 2-gram [4, 9]
+
+
+def test_lookup_skips_hits_across_token_boundaries():
+    proposer = NgramProposer(2, 1, 1)
+    # 256 = bytes 00 01 00 00 and 1 = 01 00 00 00: a byte search for [1] hits inside 256.
+    tokens = [256, 0, 5, 1]
+    assert proposer.propose(0, tokens, 4) == []
+    assert proposer.propose(1, [1, 6, 256, 0, 1], 4) == [6, 256]
+
+
+def test_lookup_follows_a_growing_sequence():
+    proposer = NgramProposer(2, 1, 2)
+    tokens = [5, 6, 7]
+    assert proposer.propose(0, tokens, 4) == []
+    tokens += [5]
+    assert proposer.propose(0, tokens, 4) == [6, 7]
+    tokens += [6, 8, 5, 6]
+    assert proposer.propose(0, tokens, 4) == [8, 5]
+    proposer.release(0)
+    assert proposer.propose(0, [1, 1], 4) == [1]
+
+
+def make_seq(prompt, **params):
+    params.setdefault("max_tokens", 100)
+    return Sequence("r", list(prompt), SamplingParams(**params), block_size=4)
+
+
+def test_scheduler_runs_drafts_after_the_last_token_and_rolls_back():
+    bm = BlockManager(64, 4)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128)
+    seq = make_seq([1, 2, 3, 4, 5])
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    scheduler.update(out, [[6]])
+    seq.spec_token_ids = [7, 8, 9]
+    out = scheduler.schedule()
+    (item,) = out.scheduled
+    assert (item.start, item.num_new_tokens, item.spec_token_ids, item.samples) == (5, 4, [7, 8, 9], True)
+    assert seq.spec_token_ids == [] and seq.num_computed_tokens == 9
+    scheduler.update(out, [[7, 3]])  # one draft accepted, then a different token
+    assert seq.token_ids[-3:] == [6, 7, 3] and seq.num_computed_tokens == seq.num_tokens - 1 == 7
+    # The budget leaves room for some drafts only.
+    other = make_seq(list(range(20, 26)))
+    scheduler.add(other)
+    seq.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    out = scheduler.schedule()
+    assert out.scheduled[0].spec_token_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert out.num_batched_tokens == 8
+
+
+def test_speculator_leaves_room_for_the_last_token_and_backs_off():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    speculator = Speculator(config, max_model_len=64)
+    seq = make_seq([1, 2, 3, 1, 2, 3, 1], max_tokens=3)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    speculator.propose([seq])
+    assert seq.spec_token_ids == [2, 3]  # max_tokens 3: two drafts and the token after them
+    speculator.record(seq, 2, 0)  # all missed: no drafts next step, then again
+    speculator.propose([seq])
+    assert seq.spec_token_ids == []
+    speculator.propose([seq])
+    assert seq.spec_token_ids == [2, 3]
+    speculator.record(seq, 2, 0)  # missed again: the wait doubles
+    for _ in range(2):
+        speculator.propose([seq])
+        assert seq.spec_token_ids == []
+    speculator.propose([seq])
+    assert seq.spec_token_ids == [2, 3]
+    speculator.record(seq, 2, 1)
+    speculator.propose([seq])
+    assert seq.spec_token_ids == [2, 3]
+    stats = speculator.stats()
+    assert stats["spec_decode_num_drafts"] == 3 and stats["spec_decode_num_accepted_tokens"] == 1
+    assert stats["spec_decode_accepted_per_position"] == [1, 0, 0, 0]
+    assert stats["spec_decode_mean_accepted_length"] == pytest.approx(1 + 1 / 3)
+
+
+def test_verify_keeps_the_target_distribution():
+    """With a draft of probability 0.3 at position 0: the first token follows the target
+    distribution exactly (kept with its probability, otherwise drawn from the rest), and the
+    second, after an accepted draft, follows position 1's."""
+    probs = torch.tensor([[0.3, 0.25, 0.2, 0.15, 0.1, 0.0], [0.05, 0.05, 0.1, 0.2, 0.3, 0.3]],
+                         dtype=torch.float64)
+    logits = probs.clamp_min(1e-12).log().float()
+    sampler = Sampler(6)
+    seq = make_seq([1, 2, 3], temperature=1.0)
+    firsts, seconds = np.zeros(6), np.zeros(6)
+    draws = 6000
+    for _ in range(draws):
+        (tokens,), _ = sampler.verify(logits.clone(), [seq], [[0]])
+        firsts[tokens[0]] += 1
+        if tokens[0] == 0:
+            assert len(tokens) == 2
+            seconds[tokens[1]] += 1
+        else:
+            assert len(tokens) == 1
+    assert chisquare(firsts[:5], probs[0, :5].numpy() / probs[0, :5].sum().item() * draws).pvalue > 1e-3
+    assert firsts[5] == 0
+    assert chisquare(seconds, probs[1].numpy() / probs[1].sum().item() * seconds.sum()).pvalue > 1e-3
+
+
+def test_verify_with_a_seed_draws_as_plain_steps_do():
+    """A seeded sequence gets the tokens one plain step per token would give it, however many
+    of its drafts were right, and its generator ends where those steps leave it."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    plain_sampler, spec_sampler = Sampler(50), Sampler(50)
+    plain_seq = make_seq([1], temperature=1.0, seed=42)
+    spec_seq = make_seq([1], temperature=1.0, seed=42)
+    plain = [plain_sampler(logits[i:i + 1].clone(), [plain_seq]).sampled_token_ids[0]
+             for i in range(3)]
+    drafts = [plain[0], plain[1], (plain[2] + 1) % 50]  # the third draft is wrong
+    (tokens,), _ = spec_sampler.verify(logits.clone(), [spec_seq], [drafts])
+    assert tokens == plain[:3]
+    nxt = plain_sampler(logits[3:4].clone(), [plain_seq]).sampled_token_ids
+    assert spec_sampler(logits[3:4].clone(), [spec_seq]).sampled_token_ids == nxt
