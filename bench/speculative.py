@@ -17,13 +17,13 @@ Parts:
   Workloads: `passage` (repeat a passage with one word changed), `code` (a code block with one
   name changed), `agent` (a tool loop whose earlier calls and results the next turn repeats),
   and `open` (a question whose answer copies nothing: drafts rarely come, and must cost nothing).
-- turnoff: the passage chat at concurrency 1..32 (one generate() of that many copies), drafts
-  forced on at every batch size (disable_by_batch_size large) against plain: output tok/s over
-  wall time. Where the ratio falls under 1 is where drafts stop paying on this CPU: the engine's
-  default disable_by_batch_size (replicas/spec/speculator.py) should sit below it.
-- conc32: 32 different chats at once (the workloads' prompts in turn) with the default
-  configuration (drafts off past disable_by_batch_size) against plain: output tok/s (goal >=
-  0.95x).
+- turnoff: at concurrency 1..32 (one generate() of that many chats: copies of the passage chat,
+  the four workloads in turn, or open questions), no batch cap on drafts (disable_by_batch_size
+  large: the acceptance rule alone) against plain: output tok/s over wall time, every request
+  running --max-tokens / 2 tokens (ignore_eos), so that both sides make the same tokens. A ratio
+  under 1 is a batch size where drafts cost more than they give on this CPU.
+- conc32: 32 chats at once (the four workloads in turn), as many tokens each as in turnoff,
+  with the default configuration against plain: output tok/s (goal >= 0.95x).
 Systems alternate, the order reversed every round; medians over --rounds. Writes
 bench/results/speculative.json and speculative.png (ratio against concurrency), the CPU named.
 """
@@ -75,6 +75,10 @@ WORKLOADS = {
                "found, quoting each line exactly as the tool printed it."}],
     "open": [{"role": "user", "content": "Why do cats purr? Answer in a few sentences."}],
 }
+# Open questions: answers that copy little, where drafts are rarely right.
+QUESTIONS = ["Why do cats purr?", "What makes the sky blue?", "How do bees make honey?",
+             "Why is the sea salty?", "How do airplanes fly?", "What is a black hole?",
+             "Why do leaves change colour?", "How does a compass work?"]
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 
 
@@ -155,25 +159,42 @@ def main() -> None:
                   f"{row['acceptance_rate']:.2f}  mean run {row['mean_accepted_length']:.2f}  "
                   f"same tokens {same}/{len(ids['plain'])}")
 
+    fixed = SamplingParams(temperature=0, max_tokens=args.max_tokens // 2, ignore_eos=True)
+
     def throughput(llm, conversations) -> float:
+        llm.llm_engine.block_manager.reset_prefix_cache()
         start = time.perf_counter()
-        outs = chat(llm, conversations)
+        outs = llm.chat(conversations, fixed, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    names = list(WORKLOADS)
+
+    def mixed(c: int) -> list:
+        return [WORKLOADS[names[i % len(names)]] for i in range(c)]
+
+    def chats_of(mix: str, c: int) -> list:
+        if mix == "passage":
+            return [WORKLOADS["passage"]] * c
+        if mix == "open":
+            return [[{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} Answer in a "
+                      "few sentences."}] for i in range(c)]
+        return mixed(c)
 
     if "turnoff" in parts:
         result["turnoff"] = {}
-        for c in CONCURRENCY:
-            systems = {"plain": engines["plain"], "forced": forced}
-            runs = alternate(systems, lambda llm: throughput(llm, [WORKLOADS["passage"]] * c),
-                             args.rounds)
-            rates = {n: statistics.median(v) for n, v in runs.items()}
-            result["turnoff"][c] = {**rates, "ratio": rates["forced"] / rates["plain"]}
-            print(f"turn-off c={c:2d}  plain {rates['plain']:7.1f} tok/s  drafts always "
-                  f"{rates['forced']:7.1f} tok/s  x{rates['forced'] / rates['plain']:.2f}")
+        for mix in ("passage", "mixed", "open"):
+            result["turnoff"][mix] = {}
+            for c in CONCURRENCY:
+                chats = chats_of(mix, c)
+                systems = {"plain": engines["plain"], "forced": forced}
+                runs = alternate(systems, lambda llm: throughput(llm, chats), args.rounds)
+                rates = {n: statistics.median(v) for n, v in runs.items()}
+                result["turnoff"][mix][c] = {**rates, "ratio": rates["forced"] / rates["plain"]}
+                print(f"turn-off {mix:7s} c={c:2d}  plain {rates['plain']:7.1f} tok/s  drafts "
+                      f"always {rates['forced']:7.1f} tok/s  x{rates['forced'] / rates['plain']:.2f}")
 
     if "conc32" in parts:
-        names = list(WORKLOADS)
-        conversations = [WORKLOADS[names[i % len(names)]] for i in range(32)]
+        conversations = mixed(32)
         runs = alternate(engines, lambda llm: throughput(llm, conversations), args.rounds)
         rates = {n: statistics.median(v) for n, v in runs.items()}
         result["conc32"] = {**rates, "ratio": rates["ngram"] / rates["plain"], "goal": 0.95}
@@ -193,11 +214,13 @@ def plot(path, result: dict, cpu: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = list(result["turnoff"])
-    ax.plot(xs, [result["turnoff"][c]["ratio"] for c in xs], marker="o", label="drafts always on")
+    for mix, points in result["turnoff"].items():
+        xs = list(points)
+        ax.plot(xs, [points[c]["ratio"] for c in xs], marker="o",
+                label=f"drafts always on, {mix} chats")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent requests (passage chat)")
+    ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tok/s / plain decoding")
     ax.set_title(f"ngram speculation, k={result['config']['num_speculative_tokens']}\n"
                  f"{cpu.get('model')} ({cpu.get('level')})", fontsize=9)

@@ -34,7 +34,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
     # No drafts in a step whose batch holds more running sequences than this: the verify rows
-    # cost compute a busy step lacks. None: the engine's measured default (replicas/spec).
+    # cost compute a busy step lacks. None: the measured default (replicas/spec/speculator.py).
     disable_by_batch_size: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")

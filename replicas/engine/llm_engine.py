@@ -57,8 +57,7 @@ class LLMEngine:
         self.speculator = None  # drafts for the next step, under speculative_config
         if config.speculative_config is not None:
             from pagedserve.replicas.spec.speculator import Speculator
-            self.speculator = Speculator(config.speculative_config, self.max_model_len,
-                                         on_cpu=self.runner.device.type == "cpu")
+            self.speculator = Speculator(config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.pending = PendingRequests(self._admit)  # grammars compiling, adapters loading
@@ -218,6 +217,9 @@ class LLMEngine:
             raise self._fail_step(scheduler_output, exc) from exc
         ended = time.monotonic()
         self.step_load.record(ended, ended - began, scheduler_output.num_batched_tokens)
+        if self.speculator is not None:
+            self.speculator.observe_step(ended - began, scheduler_output.num_batched_tokens,
+                                         self.step_load.light_s)
         return outputs
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

@@ -226,6 +226,22 @@ def test_verify_steps_take_the_native_decoder_stack(tmp_path, monkeypatch):
     assert any(verify for verify, _ in steps) and all(taken for _, taken in steps)
 
 
+def test_adapters_and_the_base_model_in_one_verify_step(model_dir, plain, tmp_path):
+    """Rows of a LoRA adapter's drafts get its delta, as its decode rows do."""
+    from pagedserve import LoRARequest
+    from tests.lora_adapters import write_adapter
+    lora = LoRARequest("a", 1, str(write_adapter(model_dir, tmp_path / "a", rank=8, seed=1)))
+    engine = dict(max_model_len=512, dtype="float32", enable_lora=True, max_loras=2)
+    base = LLM(model_dir, **engine)
+    spec = LLM(model_dir, **engine, speculative_config=spec_config())
+    loras = [lora, None, lora, None]
+    expected = base.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    with oracle_for(spec, expected):
+        got = spec.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    assert completions(got) == completions(expected)
+    assert completions(expected)[0] != completions(run(plain, PROMPTS[:1], GREEDY))[0]
+
+
 def test_batch_size_turns_drafts_off(model_dir):
     spec = LLM(model_dir, max_model_len=512, dtype="float32",
                speculative_config=spec_config(disable_by_batch_size=2))

@@ -5,7 +5,7 @@ Qwen3 and Phi-3 (checkpoint-fused projections), and a vocabulary of odd size,
 in the default mode and with chunked prefill under forced preemption; each rank holds about half
 of the weights; bad sizes fail at once naming both numbers; a rank that dies fails the health
 check and the next step instead of hanging them; an LLM dropped without shutdown() frees its
-group for the next one."""
+group for the next one; drafts are verified over both ranks."""
 from __future__ import annotations
 
 import gc
@@ -81,6 +81,22 @@ def test_tp2_matches_tp1_and_transformers(models, name, mode):
     if mode == "chunked_preempted":
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_tp2_verifies_drafts_with_the_tokens_of_tp1(models):
+    """Speculative decoding over two ranks: verify rows are rows like any other to rank 1."""
+    model = models("llama_kv2")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "disable_by_batch_size": 64}
+    llm = LLM(model.path, tensor_parallel_size=2, speculative_config=spec,
+              **{**ENGINE, **MODES["default"]})
+    try:
+        split = generate(llm, model.prompts)
+        stats = llm.llm_engine.stats()
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in split] == model.expected
+    assert stats["spec_decode_num_draft_tokens"] > 0
 
 
 def _shard_bytes(path: str, rank: int, world_size: int) -> int:

@@ -139,3 +139,36 @@ def test_verify_with_a_seed_draws_as_plain_steps_do():
     assert tokens == plain[:3]
     nxt = plain_sampler(logits[3:4].clone(), [plain_seq]).sampled_token_ids
     assert spec_sampler(logits[3:4].clone(), [spec_seq]).sampled_token_ids == nxt
+
+
+def test_the_acceptance_a_draft_needs_follows_the_measured_step_cost():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    speculator = Speculator(config, max_model_len=64)
+    assert speculator.min_acceptance(1) == 0.0  # before any timing: free at small batches
+    assert speculator.min_acceptance(8) == 0.5
+    for _ in range(200):  # a one-row step takes 10 ms, each further row 1 ms
+        speculator.observe_step(0.018, 9, light_s=0.010)
+    assert speculator.min_acceptance(1) == pytest.approx(1 / 10)  # a row over a token's share
+    assert speculator.min_acceptance(32) == pytest.approx(32 / 41)
+
+
+def test_under_load_drafts_shrink_and_stop_with_the_acceptance():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    speculator = Speculator(config, max_model_len=256)
+    for _ in range(50):
+        speculator.observe_step(0.018, 9, light_s=0.010)  # at 8 running, a draft needs 8/17
+    batch = [make_seq([5, 6, 7, 8, 9, 10, 0, 5, 6], max_tokens=100) for _ in range(8)]
+    for seq in batch:
+        seq.num_computed_tokens = seq.num_tokens - 1
+    speculator.propose(batch)
+    seq = batch[0]
+    assert seq.spec_token_ids == [7, 8, 9, 10]  # a new sequence starts from the engine's rate
+    speculator.record(seq, 4, 1)  # rate 1 -> 0.775: still pays, fewer drafts
+    speculator.propose(batch)
+    assert seq.spec_token_ids == [7, 8, 9]
+    speculator.record(seq, 3, 0)
+    speculator.record(seq, 3, 0)
+    speculator.record(seq, 3, 1)  # rate below 8/17 though one was accepted: it waits
+    speculator.propose(batch)
+    assert seq.spec_token_ids == []
+    assert batch[1].spec_token_ids  # the others are judged on their own rates
