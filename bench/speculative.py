@@ -17,13 +17,18 @@ Parts:
   Workloads: `passage` (repeat a passage with one word changed), `code` (a code block with one
   name changed), `agent` (a tool loop whose earlier calls and results the next turn repeats),
   and `open` (a question whose answer copies nothing: drafts rarely come, and must cost nothing).
+- loop: an agent's loop of four steps, each its own request, run --loops times on a plain, an
+  ngram and a suffix engine (`{"method": "suffix"}`, vLLM's suffix defaults, --suffix-k drafts
+  at most), greedy, batch 1: decode tok/s over every loop after the first (which fills the
+  suffix cache with the answers the later loops repeat; no prompt holds them). Goal: suffix
+  >= 1.5x plain.
 - turnoff: at concurrency 1..32 (one generate() of that many chats: copies of the passage chat,
   the four workloads in turn, or open questions), no batch cap on drafts (disable_by_batch_size
   large: the acceptance rule alone) against plain: output tok/s over wall time, every request
   running --max-tokens / 2 tokens (ignore_eos), so that both sides make the same tokens. A ratio
   under 1 is a batch size where drafts cost more than they give on this CPU.
 - conc32: 32 chats at once (the four workloads in turn), as many tokens each as in turnoff,
-  with the default configuration against plain: output tok/s (goal >= 0.95x).
+  ngram and suffix in their default configurations against plain: output tok/s (goal >= 0.95x).
 Systems alternate, the order reversed every round; medians over --rounds. Writes
 bench/results/speculative.json and speculative.png (ratio against concurrency), the CPU named.
 """
@@ -80,6 +85,17 @@ QUESTIONS = ["Why do cats purr?", "What makes the sky blue?", "How do bees make 
              "Why is the sea salty?", "How do airplanes fly?", "What is a black hole?",
              "Why do leaves change colour?", "How does a compass work?"]
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
+# An agent's loop: the same few steps every iteration, each a request of its own whose answer
+# no prompt holds, as a coding or operations agent re-plans, re-calls and re-reports.
+LOOP_STEPS = ["Write the JSON tool call that searches src/ for the pattern TODO.",
+              "List three steps to fix a failing unit test, one line each.",
+              "Write a short commit message for a change that closes a database connection.",
+              "Summarize in two sentences what a code review should check first."]
+
+
+def agent_loop() -> list[list[dict]]:
+    system = {"role": "system", "content": "You are a coding agent. Answer briefly."}
+    return [[system, {"role": "user", "content": step}] for step in LOOP_STEPS]
 
 
 def decode_rate(output) -> float:
@@ -94,7 +110,9 @@ def main() -> None:
     parser.add_argument("--lookup", default="2,4", help="prompt_lookup_min,prompt_lookup_max")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", default="batch1,turnoff,conc32")
+    parser.add_argument("--parts", default="batch1,loop,turnoff,conc32")
+    parser.add_argument("--suffix-k", type=int, default=16, help="suffix: drafts per step, at most")
+    parser.add_argument("--loops", type=int, default=4, help="loop: times the agent loop runs")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="activations: auto (the default), float32")
     parser.add_argument("--quick", action="store_true")
@@ -113,6 +131,9 @@ def main() -> None:
                "ngram": LLM(None, speculative_config=config, **common)}
     forced = LLM(None, speculative_config={**config, "disable_by_batch_size": 1024}, **common) \
         if "turnoff" in parts else None
+    suffix_config = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
+    suffix = LLM(None, speculative_config=suffix_config, **common) \
+        if "loop" in parts or "conc32" in parts else None
     # The answer ends where the model ends it: past its end a small model rambles, and copying
     # the context is what the workloads measure.
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -167,6 +188,33 @@ def main() -> None:
         outs = llm.chat(conversations, fixed, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
+    if "loop" in parts:
+        # Each engine runs the agent loop --loops times, greedy, its answers ending where the
+        # model ends them; the first loop fills the suffix cache, the later ones are measured.
+        systems = {"plain": engines["plain"], "ngram": engines["ngram"], "suffix": suffix}
+        rates: dict[str, list[float]] = {n: [] for n in systems}
+        texts: dict[str, list[str]] = {n: [] for n in systems}
+        for loop in range(args.loops):
+            for name in (list(systems) if loop % 2 == 0 else list(reversed(systems))):
+                for turn in agent_loop():
+                    out = chat(systems[name], [turn])[0]
+                    if loop:
+                        rates[name].append(decode_rate(out))
+                        texts[name].append(out.outputs[0].text)
+        spec = suffix.llm_engine.speculator
+        medians = {n: statistics.median(v) for n, v in rates.items()}
+        result["loop"] = {**{f"{n}_tok_s": v for n, v in medians.items()},
+                          "suffix_speedup": medians["suffix"] / medians["plain"],
+                          "ngram_speedup": medians["ngram"] / medians["plain"],
+                          "suffix_acceptance_rate": spec.stats()["spec_decode_acceptance_rate"],
+                          "same_text": texts["suffix"] == texts["plain"] == texts["ngram"],
+                          "suffix_config": suffix_config}
+        print(f"agent loop  plain {medians['plain']:6.1f} tok/s  ngram {medians['ngram']:6.1f} "
+              f"(x{medians['ngram'] / medians['plain']:.2f})  suffix {medians['suffix']:6.1f} "
+              f"(x{medians['suffix'] / medians['plain']:.2f}, acceptance "
+              f"{result['loop']['suffix_acceptance_rate']:.2f})  same text "
+              f"{result['loop']['same_text']}")
+
     names = list(WORKLOADS)
 
     def mixed(c: int) -> list:
@@ -195,11 +243,14 @@ def main() -> None:
 
     if "conc32" in parts:
         conversations = mixed(32)
-        runs = alternate(engines, lambda llm: throughput(llm, conversations), args.rounds)
+        runs = alternate({**engines, "suffix": suffix},
+                         lambda llm: throughput(llm, conversations), args.rounds)
         rates = {n: statistics.median(v) for n, v in runs.items()}
-        result["conc32"] = {**rates, "ratio": rates["ngram"] / rates["plain"], "goal": 0.95}
-        print(f"concurrency 32: plain {rates['plain']:.1f} tok/s  ngram (default turn-off) "
-              f"{rates['ngram']:.1f} tok/s  x{rates['ngram'] / rates['plain']:.2f} (goal >= 0.95)")
+        result["conc32"] = {**rates, "ratio": rates["ngram"] / rates["plain"],
+                            "suffix_ratio": rates["suffix"] / rates["plain"], "goal": 0.95}
+        print(f"concurrency 32 (default configurations): plain {rates['plain']:.1f} tok/s  ngram "
+              f"{rates['ngram']:.1f} (x{rates['ngram'] / rates['plain']:.2f})  suffix "
+              f"{rates['suffix']:.1f} (x{rates['suffix'] / rates['plain']:.2f}); goal >= 0.95")
 
     cpu = cpu_info()
     path = write_result("speculative", result)

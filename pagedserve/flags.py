@@ -162,7 +162,7 @@ MEANINGS: dict[str, str] = {
     "max_lora_rank": "Largest LoRA rank; every slot is this wide",
     "max_cpu_loras": "LoRA adapters kept in memory per replica (LRU); none: max_loras",
     "speculative_config": ('Speculative decoding, e.g. {"method": "ngram", '
-                           '"num_speculative_tokens": 4}; none: off'),
+                           '"num_speculative_tokens": 4} or {"method": "suffix"}; none: off'),
     "lora_modules": "LoRA adapters served from the start: name=path ...",
     "allow_runtime_lora_updating": ("POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                     "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),

@@ -17,22 +17,31 @@ DEFAULTS = dict(
 )
 
 
-# vLLM's speculative methods this engine does not run, and what to use instead.
-_UNBUILT_SPEC_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
-                         "mlp_speculator")
+# vLLM's speculative methods this engine does not run yet.
+_UNBUILT_SPEC_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 
 class SpeculativeConfig(BaseModel):
     """vLLM's `speculative_config`, for the methods built here: "ngram" (prompt lookup: drafts
-    copied from where the sequence's last n tokens appeared before; no second model)."""
+    copied from where the sequence's last n tokens appeared before) and "suffix" (suffix
+    decoding over the prompt and recent requests' outputs); neither needs a second model."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = Field(ge=1, le=32)  # drafts proposed per sequence and step
-    # The n-grams looked up, longest first. Unset, as in vLLM: both 5, or each the other.
+    method: Literal["ngram", "suffix"] = "ngram"
+    # Drafts proposed per sequence and step, at most. Required for ngram; suffix: its
+    # max_tree_depth, as in vLLM.
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    # ngram: the n-grams looked up, longest first. Unset, as in vLLM: both 5, or each the other.
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
+    # suffix: how far back a match and its draft reach together; the requests whose outputs are
+    # kept to draft from (a smaller default than vLLM's: the index lives in Python objects); a
+    # draft's length at most this times its match's; its tokens' least estimated probability.
+    suffix_decoding_max_tree_depth: int = Field(24, ge=2, le=64)
+    suffix_decoding_max_cached_requests: int = Field(1000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
     # No drafts in a step whose batch holds more running sequences than this: the verify rows
     # cost compute a busy step lacks. None: the measured default (replicas/spec/speculator.py).
     disable_by_batch_size: int | None = Field(None, ge=1)
@@ -44,12 +53,18 @@ class SpeculativeConfig(BaseModel):
             method = data.get("method")
             if data.get("model") is not None or method in _UNBUILT_SPEC_METHODS:
                 what = f"method {method!r}" if method in _UNBUILT_SPEC_METHODS else "a draft model"
-                raise ValueError(f"speculative_config: {what} is not supported yet; "
-                                 "use {\"method\": \"ngram\", \"num_speculative_tokens\": k}")
+                raise ValueError(f"speculative_config: {what} is not supported yet; use "
+                                 "{\"method\": \"ngram\" or \"suffix\", ...}")
         return data
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> "SpeculativeConfig":
+    def _defaults(self) -> "SpeculativeConfig":
+        if self.method == "suffix":
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = min(self.suffix_decoding_max_tree_depth, 64)
+            return self
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required for ngram")
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max

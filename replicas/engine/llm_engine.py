@@ -263,7 +263,7 @@ class LLMEngine:
             if spec and seq.seq_id in spec:
                 self.speculator.record(seq, spec[seq.seq_id], len(token_ids) - 1)
             if seq.is_finished:
-                self._release(seq.seq_id)
+                self._release(seq)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -376,13 +376,13 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, status)
-            self._release(seq.seq_id)
+            self._release(seq)
 
-    def _release(self, seq_id: int) -> None:
+    def _release(self, seq: Sequence) -> None:
         """A finished sequence's state outside the scheduler: the runner's, the speculator's."""
-        self.runner.release(seq_id)
+        self.runner.release(seq.seq_id)
         if self.speculator is not None:
-            self.speculator.release(seq_id)
+            self.speculator.release(seq)
 
     def _add_prompt_logprobs(self, seq: Sequence, start: int, positions: list) -> None:
         # After a preemption the prompt is recomputed: keep only positions not seen before.

@@ -21,10 +21,11 @@ class NgramProposer:
         self.lookup_max = lookup_max
         self._texts: dict[int, bytearray] = {}  # seq_id -> its tokens, as bytes
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, token_ids: list[int] = (), num_prompt_tokens: int = 0) -> None:
         self._texts.pop(seq_id, None)
 
-    def propose(self, seq_id: int, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, seq_id: int, token_ids: list[int], max_drafts: int,
+                num_prompt_tokens: int = 0) -> list[int]:
         """Up to min(k, max_drafts) tokens that followed the latest earlier occurrence of the
         longest suffix of token_ids (lookup_max down to lookup_min tokens); [] when none."""
         text = self._texts.get(seq_id)

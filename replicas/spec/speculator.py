@@ -23,6 +23,7 @@ from __future__ import annotations
 from pagedserve.replicas.config import SpeculativeConfig
 from pagedserve.replicas.core.sequence import Sequence
 from pagedserve.replicas.spec.ngram import NgramProposer
+from pagedserve.replicas.spec.suffix import SuffixProposer
 
 # disable_by_batch_size's default: a cap on the verify rows one step can add; within it the
 # acceptance rule decides (bench/speculative.py measures both).
@@ -43,8 +44,16 @@ class Speculator:
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size or DEFAULT_MAX_BATCH
         self.batch_size = 0  # running sequences at the last proposal
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        if config.method == "suffix":
+            self.proposer = SuffixProposer(
+                config.num_speculative_tokens, config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob)
+        else:
+            self.proposer = NgramProposer(config.num_speculative_tokens,
+                                          config.prompt_lookup_min, config.prompt_lookup_max)
+        # A proposer that learns from every output (suffix) sees each step's tokens, drafts or not.
+        self._observe = getattr(self.proposer, "observe", None)
         self._backoff: dict[int, tuple[int, int]] = {}  # seq_id -> (steps left, next wait)
         self._acceptance: dict[int, float] = {}  # seq_id -> its recent acceptance rate
         # Every sequence's, the start of a new one's: what drafts have been worth lately here.
@@ -63,6 +72,8 @@ class Speculator:
         if len(running) > self.max_batch:
             for seq in running:
                 seq.spec_token_ids = []
+                if self._observe is not None and seq.num_computed_tokens == seq.num_tokens - 1:
+                    self._observe(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
             return
         for seq in running:
             seq.spec_token_ids = self._drafts(seq)
@@ -77,15 +88,15 @@ class Speculator:
         wait = self._backoff.get(seq.seq_id)
         if wait is not None and wait[0] > 0:
             self._backoff[seq.seq_id] = (wait[0] - 1, wait[1])
+            if self._observe is not None:
+                self._observe(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
             return []
         # One more token always follows the accepted drafts: leave room for it.
         room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - num) - 1
         if self.batch_size > SMALL_BATCH:  # as many drafts as its rate expects to be accepted
             rate = self._acceptance.get(seq.seq_id, self._engine_rate)
             room = min(room, max(1, round(rate * self.config.num_speculative_tokens)))
-        if room <= 0:
-            return []
-        drafts = self.proposer.propose(seq.seq_id, seq.token_ids, room)
+        drafts = self.proposer.propose(seq.seq_id, seq.token_ids, room, seq.num_prompt_tokens)
         if drafts and seq.grammar is not None:  # only drafts the grammar allows can be accepted
             drafts = drafts[:seq.grammar.matcher.validate_tokens(drafts)]
         return drafts
@@ -126,8 +137,10 @@ class Speculator:
         fixed = max(light - row, 0.0)
         return batch_size * row / (fixed + batch_size * row) if row > 0 else 0.0
 
-    def release(self, seq_id: int) -> None:
-        self.proposer.release(seq_id)
+    def release(self, seq: Sequence) -> None:
+        """A sequence ended (a proposer that learns from outputs takes in its last tokens)."""
+        seq_id = seq.seq_id
+        self.proposer.release(seq_id, seq.token_ids, seq.num_prompt_tokens)
         self._backoff.pop(seq_id, None)
         self._acceptance.pop(seq_id, None)
 

@@ -66,7 +66,7 @@ class Oracle:
     def __exit__(self, *exc):
         self.speculator.proposer.propose = self.saved
 
-    def propose(self, seq_id, token_ids, max_drafts):
+    def propose(self, seq_id, token_ids, max_drafts, num_prompt_tokens=0):
         for prompt, outputs in self.expected.items():
             if tuple(token_ids[:len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
@@ -242,6 +242,22 @@ def test_adapters_and_the_base_model_in_one_verify_step(model_dir, plain, tmp_pa
     assert completions(expected)[0] != completions(run(plain, PROMPTS[:1], GREEDY))[0]
 
 
+def test_suffix_drafts_an_answer_given_before(model_dir, plain):
+    """Suffix decoding: a question asked again is drafted from the earlier answer, which no
+    prompt holds; the tokens are plain decoding's either way."""
+    spec = LLM(model_dir, max_model_len=512, dtype="float32", enable_prefix_caching=False,
+               speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    speculator = spec.llm_engine.speculator
+    expected = completions(run(plain, PROMPTS[:1], GREEDY))
+    assert completions(run(spec, PROMPTS[:1], GREEDY)) == expected
+    accepted, steps = speculator.num_accepted_tokens, spec.llm_engine.num_steps
+    assert completions(run(spec, PROMPTS[:1], GREEDY)) == expected
+    assert speculator.num_accepted_tokens - accepted >= 36  # of 47 after the first token
+    assert spec.llm_engine.num_steps - steps <= 12
+    # Sampled with a seed, and several requests at once, still plain decoding's tokens.
+    assert completions(run(spec, PROMPTS, SEEDED)) == completions(run(plain, PROMPTS, SEEDED))
+
+
 def test_batch_size_turns_drafts_off(model_dir):
     spec = LLM(model_dir, max_model_len=512, dtype="float32",
                speculative_config=spec_config(disable_by_batch_size=2))
@@ -260,7 +276,10 @@ def test_config_names_and_errors():
     assert (config.speculative_config.prompt_lookup_min,
             config.speculative_config.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=3).prompt_lookup_min == 3
-    for bad, needle in [({"method": "suffix", "num_speculative_tokens": 2}, "'suffix' is not supported"),
+    suffix = SpeculativeConfig(method="suffix")
+    assert (suffix.num_speculative_tokens, suffix.suffix_decoding_max_tree_depth,
+            suffix.suffix_decoding_min_token_prob) == (24, 24, 0.1)
+    for bad, needle in [({"method": "eagle3", "num_speculative_tokens": 2}, "'eagle3' is not supported"),
                         ({"model": "/draft", "num_speculative_tokens": 2}, "a draft model"),
                         ({"method": "ngram"}, "num_speculative_tokens"),
                         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4,

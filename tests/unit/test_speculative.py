@@ -13,6 +13,7 @@ from pagedserve.replicas.core.sequence import Sequence
 from pagedserve.replicas.execution.sampler import Sampler
 from pagedserve.replicas.spec.ngram import NgramProposer
 from pagedserve.replicas.spec.speculator import Speculator
+from pagedserve.replicas.spec.suffix import SuffixProposer
 
 
 def test_lookup_takes_the_latest_longest_match():
@@ -172,3 +173,48 @@ def test_under_load_drafts_shrink_and_stop_with_the_acceptance():
     speculator.propose(batch)
     assert seq.spec_token_ids == []
     assert batch[1].spec_token_ids  # the others are judged on their own rates
+
+
+def finished(proposer, seq_id, prompt, output):
+    """A request seen running, then ended: its output stays in the proposer's cache."""
+    proposer.propose(seq_id, prompt + output, 0, len(prompt))
+    proposer.release(seq_id)
+
+
+def test_suffix_drafts_come_from_earlier_requests_outputs():
+    proposer = SuffixProposer(8, max_depth=24, max_cached=10, max_spec_factor=1.0,
+                              min_token_prob=0.1)
+    finished(proposer, 1, [1, 2, 3], [10, 11, 12, 13, 14, 15, 16])
+    # Another request whose prompt never held those tokens: a two-token match earns two drafts,
+    # a four-token match four.
+    assert proposer.propose(2, [7, 8, 10, 11], 8, 4) == [12, 13]
+    assert proposer.propose(3, [7, 10, 11, 12, 13], 8, 5) == [14, 15, 16]  # all that follows
+    assert proposer.propose(4, [9, 8, 7], 8, 3) == []  # no match anywhere
+    # Its own prompt counts too, and its own output as it grows.
+    assert proposer.propose(5, [20, 21, 22, 23, 24, 20, 21, 22], 8, 8) == [23, 24, 20]
+
+
+def test_suffix_follows_the_most_common_continuation_while_it_is_likely():
+    proposer = SuffixProposer(8, max_depth=24, max_cached=10, max_spec_factor=4.0,
+                              min_token_prob=0.5)
+    for seq_id, tail in ((1, [1, 2, 3]), (2, [1, 2, 4]), (3, [9, 9, 9])):
+        finished(proposer, seq_id, [0], [5, 6, *tail])
+    # After 5 6: 1 in two of three (2/3), then 2 in both (2/3), then 3 or 4 (1/3: below 0.5).
+    assert proposer.propose(4, [0, 5, 6], 8, 3) == [1, 2]
+
+
+def test_suffix_cache_keeps_the_latest_outputs_and_running_ones():
+    proposer = SuffixProposer(4, max_depth=24, max_cached=3, max_spec_factor=2.0,
+                              min_token_prob=0.1)
+    proposer.propose(9, [50, 60, 70, 80], 0, 1)  # running: never dropped
+    for seq_id in (1, 2, 3):
+        finished(proposer, seq_id, [0], [seq_id, 100 + seq_id, 200 + seq_id])
+    # Three requests' outputs are kept, this one's among them: 1 and 2 are gone by now.
+    assert proposer.propose(4, [0, 3, 103], 4, 3) == [203]
+    assert proposer.propose(5, [0, 1, 101], 4, 3) == []
+    assert proposer.propose(6, [0, 60, 70], 4, 3) == [80]  # the running one's output
+    # A request that ended without ever being drafted for leaves its whole output too.
+    proposer = SuffixProposer(4, max_depth=24, max_cached=3, max_spec_factor=2.0,
+                              min_token_prob=0.1)
+    proposer.release(7, [0, 41, 42, 43, 44], 1)
+    assert proposer.propose(8, [0, 41, 42], 4, 3) == [43, 44]
