@@ -23,8 +23,8 @@ Parts:
   suffix cache with the answers the later loops repeat; no prompt holds them). Goal: suffix
   >= 1.5x plain.
 - turnoff: at concurrency 1..32 (one generate() of that many chats: copies of the passage chat,
-  the four workloads in turn, or open questions), no batch cap on drafts (disable_by_batch_size
-  large: the acceptance rule alone) against plain: output tok/s over wall time, every request
+  the four workloads in turn, or open questions), ngram and suffix with no batch cap on drafts
+  (disable_by_batch_size large: the acceptance rule alone) against plain: output tok/s over wall time, every request
   running --max-tokens / 2 tokens (ignore_eos), so that both sides make the same tokens. A ratio
   under 1 is a batch size where drafts cost more than they give on this CPU.
 - conc32: 32 chats at once (the four workloads in turn), as many tokens each as in turnoff,
@@ -129,9 +129,11 @@ def main() -> None:
               "prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}
     engines = {"plain": LLM(None, **common),
                "ngram": LLM(None, speculative_config=config, **common)}
-    forced = LLM(None, speculative_config={**config, "disable_by_batch_size": 1024}, **common) \
-        if "turnoff" in parts else None
     suffix_config = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
+    # No batch cap: the acceptance rule alone decides (the turn-off part).
+    uncapped = {name: LLM(None, speculative_config={**cfg, "disable_by_batch_size": 1024},
+                          **common) for name, cfg in (("ngram", config), ("suffix", suffix_config))
+                } if "turnoff" in parts else {}
     suffix = LLM(None, speculative_config=suffix_config, **common) \
         if "loop" in parts or "conc32" in parts else None
     # The answer ends where the model ends it: past its end a small model rambles, and copying
@@ -150,7 +152,7 @@ def main() -> None:
                 results[name].append(fn(systems[name]))
         return results
 
-    for llm in (*engines.values(), *([forced] if forced else [])):
+    for llm in (*engines.values(), *uncapped.values()):
         chat(llm, [WORKLOADS["passage"]])  # warm-up
     result = {"config": config, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "dtype": engines["plain"].llm_engine.runner.platform["dtype"]}
@@ -234,12 +236,13 @@ def main() -> None:
             result["turnoff"][mix] = {}
             for c in CONCURRENCY:
                 chats = chats_of(mix, c)
-                systems = {"plain": engines["plain"], "forced": forced}
+                systems = {"plain": engines["plain"], **uncapped}
                 runs = alternate(systems, lambda llm: throughput(llm, chats), args.rounds)
                 rates = {n: statistics.median(v) for n, v in runs.items()}
-                result["turnoff"][mix][c] = {**rates, "ratio": rates["forced"] / rates["plain"]}
-                print(f"turn-off {mix:7s} c={c:2d}  plain {rates['plain']:7.1f} tok/s  drafts "
-                      f"always {rates['forced']:7.1f} tok/s  x{rates['forced'] / rates['plain']:.2f}")
+                result["turnoff"][mix][c] = {**rates, **{f"{n}_ratio": rates[n] / rates["plain"]
+                                                         for n in uncapped}}
+                print(f"turn-off {mix:7s} c={c:2d}  plain {rates['plain']:7.1f} tok/s  " + "  ".join(
+                    f"{n} {rates[n]:7.1f} (x{rates[n] / rates['plain']:.2f})" for n in uncapped))
 
     if "conc32" in parts:
         conversations = mixed(32)
@@ -267,13 +270,14 @@ def plot(path, result: dict, cpu: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mix, points in result["turnoff"].items():
         xs = list(points)
-        ax.plot(xs, [points[c]["ratio"] for c in xs], marker="o",
-                label=f"drafts always on, {mix} chats")
+        for method, style in (("ngram", "-"), ("suffix", "--")):
+            ax.plot(xs, [points[c][f"{method}_ratio"] for c in xs], style, marker="o",
+                    label=f"{method}, {mix} chats")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tok/s / plain decoding")
-    ax.set_title(f"ngram speculation, k={result['config']['num_speculative_tokens']}\n"
+    ax.set_title("speculation with no batch cap (the acceptance rule alone)\n"
                  f"{cpu.get('model')} ({cpu.get('level')})", fontsize=9)
     ax.legend()
     fig.tight_layout()
