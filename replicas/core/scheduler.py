@@ -118,23 +118,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            spec = seq.spec_token_ids
-            if spec:  # drafts go after its last token, as many as the budget leaves room for
-                seq.spec_token_ids = []
-                caught_up = num_new == seq.num_tokens - seq.num_computed_tokens
-                spec = spec[:budget - num_new] if caught_up else []
-                num_new += len(spec)
             while not self.block_manager.allocate_slots(seq, num_new):
-                if spec:  # drafts are the first thing to give up for blocks
-                    num_new, spec = num_new - len(spec), []
-                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._add_scheduled(out, seq, num_new, spec)
+                self._add_scheduled(out, seq, num_new)
                 budget -= num_new
                 i += 1
                 continue
@@ -172,7 +163,40 @@ class Scheduler:
             if self.max_loras and seq.lora_id:
                 loras.add(seq.lora_id)
         self.waiting.extendleft(reversed(skipped))
+        if budget > 0:
+            self._schedule_drafts(out, budget)
         return out
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafts (speculative decoding) run after their sequence's last token, with what the
+        step's real tokens left of the budget and the free blocks: they never cost another
+        sequence a token, a prefill chunk or its blocks."""
+        for item in out.scheduled:
+            seq = item.seq
+            spec = seq.spec_token_ids
+            if not spec:
+                continue
+            seq.spec_token_ids = []
+            if budget <= 0 or not item.samples:
+                continue
+            end = item.start + item.num_new_tokens
+            # Without blocks to spare, only as many as its last block has room for.
+            room = len(seq.block_table) * self.block_manager.block_size - end
+            spec = spec[:budget] if self.block_manager.num_free_blocks else spec[:min(budget, room)]
+            # Asked as one allocation from the step's first position, as its real tokens were
+            # (a sliding window's blocks are released from there).
+            seq.num_computed_tokens = item.start
+            fits = bool(spec) and self.block_manager.allocate_slots(seq, end - item.start + len(spec))
+            if not fits and 0 < room < len(spec):
+                spec = spec[:room]
+                fits = self.block_manager.allocate_slots(seq, end - item.start + len(spec))
+            seq.num_computed_tokens = end
+            if not fits:
+                continue
+            item.spec_token_ids = spec
+            item.num_new_tokens += len(spec)
+            seq.num_computed_tokens += len(spec)
+            budget -= len(spec)
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[list[int]]) -> list[Sequence]:
         """Append each sampling sequence's new tokens, up to one that ends it.
@@ -214,9 +238,8 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = status
 
-    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int,
-                       spec: list[int] = ()) -> None:
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, spec))
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
         seq.num_computed_tokens += num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -244,11 +244,13 @@ class LLMEngine:
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now
+            if spec and seq.seq_id in spec:
+                self.speculator.record(seq, spec[seq.seq_id], len(token_ids) - 1)
             # Token by token: a stop token, max_tokens, a stop string or the grammar's end may
             # come inside a verified run, and the tokens after it are dropped.
             for i, token_id in enumerate(token_ids):
                 self.num_generation_tokens += 1
-                scheduler.append_token(seq, token_id)
+                stopped = not scheduler.append_token(seq, token_id)
                 if logprobs is not None:
                     if request.sampling_params.detokenize:  # else the ingress decodes them
                         self._fill_decoded([logprobs[i]])
@@ -257,13 +259,11 @@ class LLMEngine:
                 self._detokenize(request, seq, token_id)
                 if seq.grammar is not None and not seq.is_finished:
                     self._advance_grammar(seq)
+                if stopped:  # ended by the scheduler (the others released it as they ended it)
+                    self._release(seq)
                 if seq.is_finished:
                     break
             scheduler.end_step(seq)
-            if spec and seq.seq_id in spec:
-                self.speculator.record(seq, spec[seq.seq_id], len(token_ids) - 1)
-            if seq.is_finished:
-                self._release(seq)
         outputs = []
         for request in touched.values():
             if request.finished:

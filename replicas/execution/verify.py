@@ -94,12 +94,18 @@ def apply_grammars(sampler, logits: torch.Tensor, seqs: list[Sequence],
     matcher consumes the drafts one at a time between masks, then rolls them back (the engine
     advances it by the tokens accepted)."""
     bitmask = sampler.bitmask(logits.shape[1])
+    consumed = [0] * len(seqs)
     for j in range(max(len(d) for d in drafts) + 1):
         at = [i for i, d in enumerate(drafts) if j <= len(d)]
         bitmask.apply(logits, [starts[i] + j for i in at], [seqs[i].grammar.matcher for i in at])
         for i in at:
-            if j < len(drafts[i]) and not seqs[i].grammar.matcher.consume_token(drafts[i][j]):
-                raise RuntimeError("a draft the grammar had validated broke it")
-    for seq, seq_drafts in zip(seqs, drafts):
-        if seq_drafts:
-            seq.grammar.matcher.rollback(len(seq_drafts))
+            matcher = seqs[i].grammar.matcher
+            # Once the grammar has ended it takes nothing more: the later rows keep its end's
+            # mask, and the engine stops the sequence at the end before reaching them.
+            if j < len(drafts[i]) and consumed[i] == j and not matcher.is_stopped():
+                if not matcher.consume_token(drafts[i][j]):
+                    raise RuntimeError("a draft the grammar had validated broke it")
+                consumed[i] += 1
+    for seq, count in zip(seqs, consumed):
+        if count and not seq.grammar.matcher.rollback(count):
+            raise RuntimeError(f"the grammar could not take back {count} drafts")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from pagedserve.replicas.config import SpeculativeConfig
 from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.replicas.execution.penalties import stop_token_ids
 from pagedserve.replicas.spec.ngram import NgramProposer
 from pagedserve.replicas.spec.suffix import SuffixProposer
 
@@ -97,7 +98,11 @@ class Speculator:
             rate = self._acceptance.get(seq.seq_id, self._engine_rate)
             room = min(room, max(1, round(rate * self.config.num_speculative_tokens)))
         drafts = self.proposer.propose(seq.seq_id, seq.token_ids, room, seq.num_prompt_tokens)
-        if drafts and seq.grammar is not None:  # only drafts the grammar allows can be accepted
+        if drafts and seq.grammar is not None:
+            # Only drafts the grammar allows can be accepted, and none past an end of text: a
+            # grammar that has ended takes no more tokens (the verify step samples the end).
+            ends = stop_token_ids(seq)
+            drafts = drafts[:next((i for i, t in enumerate(drafts) if t in ends), len(drafts))]
             drafts = drafts[:seq.grammar.matcher.validate_tokens(drafts)]
         return drafts
 

@@ -14,7 +14,8 @@ with the highest score (its tokens' probabilities summed) wins, a longer match o
 suffix-tree walk, over an index of token pairs instead of a tree.
 
 Memory: each corpus keeps its tokens and, per token pair, where it occurs; outputs of at most
-max_cached requests are kept, the oldest finished one dropped first.
+max_cached requests are kept, running ones included, the one that ended longest ago dropped
+first.
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class SuffixProposer:
             known = num_prompt_tokens + len(output.tokens)
             if token_ids and known < len(token_ids):
                 output.extend(list(token_ids[known:]))
+        if output is not None:
+            self._outputs.move_to_end(seq_id)  # the cache drops the longest ended first
         self._prompts.pop(seq_id, None)
         self._running.discard(seq_id)
         self._evict()
@@ -155,7 +158,8 @@ class SuffixProposer:
         return score, draft
 
     def _evict(self) -> None:
-        """Keep the outputs of at most max_cached requests: the oldest ended ones go first."""
+        """Keep the outputs of at most max_cached requests (never a running one's): those that
+        ended longest ago go first."""
         excess = len(self._outputs) - max(self.max_cached, len(self._running))
         for seq_id in list(self._outputs):
             if excess <= 0:

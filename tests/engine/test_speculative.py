@@ -52,9 +52,11 @@ class Oracle:
     """Drafts that are plain decoding's own next tokens, with every `wrong_every`-th draft made
     wrong: long accepted runs, and rejections at every position."""
 
-    def __init__(self, llm, expected: dict[tuple, list[int]], wrong_every: int = 3):
+    def __init__(self, llm, expected: dict[tuple, list[int]], wrong_every: int = 3,
+                 tail: tuple[int, ...] = ()):
         self.speculator = llm.llm_engine.speculator
-        self.expected = expected  # prompt token ids -> plain decoding's outputs
+        # prompt token ids -> plain decoding's outputs, then `tail` (drafts past their end)
+        self.expected = {prompt: [*outputs, *tail] for prompt, outputs in expected.items()}
         self.wrong_every = wrong_every
         self.calls = 0
 
@@ -79,9 +81,9 @@ class Oracle:
         return []
 
 
-def oracle_for(llm, plain_outs, wrong_every=3):
+def oracle_for(llm, plain_outs, wrong_every=3, tail=()):
     return Oracle(llm, {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain_outs},
-                  wrong_every)
+                  wrong_every, tail)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -175,6 +177,12 @@ def test_structured_output_rolls_the_grammar_back(model_dir, plain):
         assert completions(got) == completions(expected)
     for o in got:
         assert len(o.outputs[0].text) >= 6
+    # Drafts that run on past the grammar's end (an end of text, then more) are cut there.
+    eos = spec.llm_engine.eos_token_ids[0]
+    for p in params:
+        expected = run(plain, PROMPTS, p)
+        with oracle_for(spec, expected, wrong_every=0, tail=(eos, 5, 6)):
+            assert completions(run(spec, PROMPTS, p)) == completions(expected)
     # Lookup drafts over free text are mostly invalid JSON: cut, never run.
     got = run(spec, PROMPTS, params[0])
     assert [json.loads(o.outputs[0].text) for o in got]

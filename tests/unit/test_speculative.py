@@ -65,13 +65,28 @@ def test_scheduler_runs_drafts_after_the_last_token_and_rolls_back():
     assert seq.spec_token_ids == [] and seq.num_computed_tokens == 9
     scheduler.update(out, [[7, 3]])  # one draft accepted, then a different token
     assert seq.token_ids[-3:] == [6, 7, 3] and seq.num_computed_tokens == seq.num_tokens - 1 == 7
-    # The budget leaves room for some drafts only.
+    # Drafts get what the step's real tokens leave of the budget: here another's prefill.
     other = make_seq(list(range(20, 26)))
     scheduler.add(other)
     seq.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]
     out = scheduler.schedule()
-    assert out.scheduled[0].spec_token_ids == [1, 2, 3, 4, 5, 6, 7]
-    assert out.num_batched_tokens == 8
+    assert [s.seq for s in out.scheduled] == [seq, other]
+    assert out.scheduled[0].spec_token_ids == [1] and out.num_batched_tokens == 8
+
+
+def test_drafts_take_only_what_real_tokens_leave():
+    """Another sequence's decode token and its blocks come before any draft."""
+    bm = BlockManager(4, 4)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    a, b = make_seq([1, 2, 3, 4]), make_seq([5, 6, 7, 8])
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.update(scheduler.schedule(), [[9], [9]])  # two blocks held, two free
+    a.spec_token_ids = list(range(20, 28))
+    out = scheduler.schedule()  # each decode takes a block: none is left for drafts
+    assert [s.seq for s in out.scheduled] == [a, b] and not out.preempted
+    assert out.scheduled[0].spec_token_ids == [20, 21, 22]  # only its new block's room
+    assert a.spec_token_ids == []
 
 
 def test_speculator_leaves_room_for_the_last_token_and_backs_off():
@@ -213,6 +228,15 @@ def test_suffix_cache_keeps_the_latest_outputs_and_running_ones():
     assert proposer.propose(4, [0, 3, 103], 4, 3) == [203]
     assert proposer.propose(5, [0, 1, 101], 4, 3) == []
     assert proposer.propose(6, [0, 60, 70], 4, 3) == [80]  # the running one's output
+    # The outputs kept are those that ended last, whatever order they began in.
+    proposer = SuffixProposer(4, max_depth=24, max_cached=3, max_spec_factor=2.0,
+                              min_token_prob=0.1)
+    for seq_id in (1, 2):
+        proposer.propose(seq_id, [0, seq_id, 100 + seq_id, 200 + seq_id], 0, 1)
+    proposer.release(2, [0, 2, 102, 202], 1)
+    proposer.release(1, [0, 1, 101, 201], 1)
+    finished(proposer, 3, [0], [3, 103, 203])
+    assert proposer.propose(4, [0, 1, 101], 4, 3) == [201]
     # A request that ended without ever being drafted for leaves its whole output too.
     proposer = SuffixProposer(4, max_depth=24, max_cached=3, max_spec_factor=2.0,
                               min_token_prob=0.1)
