@@ -67,6 +67,18 @@ def write_workload(args, tokenizer: str, path: Path) -> None:
                                 "output_len": args.output_len}))
 
 
+def timed_generate(llm, prompt: list[int], params) -> tuple[dict, list[int]]:
+    """One token-id prompt through `llm`, timed by the engine's own timestamps: the fields of
+    llamacpp_offline.py's runs (time to the first token, decode time, output tokens) and the
+    token ids, as llama.cpp's generate gives them."""
+    output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    m = output.metrics
+    token_ids = list(output.outputs[0].token_ids)
+    return ({"ttft_s": m["first_token_time"] - m["arrival_time"],
+             "decode_s": m["finish_time"] - m["first_token_time"],
+             "output_tokens": len(token_ids)}, token_ids)
+
+
 def pagedserve_child(args) -> None:
     """Our side of llamacpp_offline.py: the same workload and result fields."""
     from pagedserve import LLM, SamplingParams
@@ -78,13 +90,8 @@ def pagedserve_child(args) -> None:
     engine = llm.llm_engine
 
     def run(prompt: list[int], n: int) -> tuple[dict, list[int]]:
-        # Token ids only, as llama.cpp's generate gives them; the engine's own timestamps.
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-        m = output.metrics
-        return ({"ttft_s": m["first_token_time"] - m["arrival_time"],
-                 "decode_s": m["finish_time"] - m["first_token_time"],
-                 "output_tokens": len(output.outputs[0].token_ids)}, list(output.outputs[0].token_ids))
+        return timed_generate(llm, prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                          ignore_eos=True, detokenize=False))
 
     run(workload["warmup"], 4)
     runs, first_tokens = [], None

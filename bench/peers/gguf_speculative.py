@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.common import cpu_info, write_result
 from bench.peers import llamacpp_env
-from bench.peers.gguf import agreement, tokenizer_dir
+from bench.peers.gguf import agreement, timed_generate, tokenizer_dir
 from bench.speculative import WORKLOADS
 
 SYSTEMS = ("pagedserve", "pagedserve-ngram", "llamacpp", "llamacpp-lookup")
@@ -57,12 +57,8 @@ def pagedserve_child(args) -> None:
     load_s = time.perf_counter() - began
 
     def run(prompt: list[int], n: int) -> tuple[dict, list[int]]:
-        params = SamplingParams(temperature=0, max_tokens=n, detokenize=False)
-        output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-        m = output.metrics
-        return ({"ttft_s": m["first_token_time"] - m["arrival_time"],
-                 "decode_s": m["finish_time"] - m["first_token_time"],
-                 "output_tokens": len(output.outputs[0].token_ids)}, list(output.outputs[0].token_ids))
+        return timed_generate(llm, prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                          detokenize=False))
 
     run(workload["warmup"], 4)
     runs, tokens = [], []
