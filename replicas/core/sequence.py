@@ -32,8 +32,25 @@ FINISHED = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
 _seq_ids = itertools.count()
 
 
+class OutputTokens:
+    """A sequence's outputs as its token ids past the prompt: a Sequence's, and those of the
+    sampler's views of one (replicas/execution/verify.py's DraftPosition)."""
+
+    __slots__ = ()
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
 @dataclass(eq=False)
-class Sequence:
+class Sequence(OutputTokens):
     """A request has `n` of these; each catches `num_computed_tokens` up to `num_tokens`."""
 
     request_id: str
@@ -73,14 +90,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:

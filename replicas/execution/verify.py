@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from pagedserve.replicas.core.outputs import PositionLogprobs
-from pagedserve.replicas.core.sequence import Sequence
+from pagedserve.replicas.core.sequence import OutputTokens, Sequence
 
 
-class DraftPosition:
+class DraftPosition(OutputTokens):
     """A sequence as it would stand after `drafts` were accepted: what the sampler reads of it."""
 
     __slots__ = ("seq_id", "sampling_params", "token_ids", "num_prompt_tokens", "eos_token_id",
@@ -34,14 +34,6 @@ class DraftPosition:
         self.eos_token_id = seq.eos_token_id
         self.sample_seed = seq.sample_seed
         self.grammar = None  # its mask is applied before sampling (apply_grammars below)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
