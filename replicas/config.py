@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.replicas.core.reasoning import ReasoningParserName
 from pagedserve.replicas.engine import cpu_binding
 
 DEFAULTS = dict(
@@ -136,6 +137,9 @@ class EngineConfig(BaseModel):
     # Speculative decoding (vLLM's speculative_config, a dict or its JSON): e.g. {"method":
     # "ngram", "num_speculative_tokens": 4}. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # A reasoning model's family (vLLM's reasoning_parser): a grammar waits for the end of the
+    # thinking, and the ingress splits the thinking into `reasoning_content`. None: plain text.
+    reasoning_parser: ReasoningParserName | None = None
 
     @field_validator("speculative_config", mode="before")
     @classmethod

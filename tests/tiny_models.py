@@ -15,6 +15,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A reasoning model's template, as Qwen3's: `enable_thinking=False` closes an empty thinking block
+# in the prompt, so the answer starts at once.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% endif %}",
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}")
+THINKING_TAGS = ["<think>", "</think>"]
 
 _WORDS = (
     "the quick brown fox jumps over lazy dog paged attention blocks cache prefix serving tokens "
@@ -30,7 +37,9 @@ def _corpus(num_lines: int = 400) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 20))) for _ in range(num_lines)]
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 384):
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 384, thinking: bool = False):
+    """thinking: a reasoning model's tokenizer, `<think>` and `</think>` one (non-special) token
+    each, as Qwen3's and DeepSeek-R1's are, and a template that can close the thinking."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,6 +53,10 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 384):
                                    bos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    unk_token=None, additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
+    if thinking:
+        from tokenizers import AddedToken
+        fast.add_tokens([AddedToken(tag, special=False) for tag in THINKING_TAGS])
+        fast.chat_template = THINKING_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -53,14 +66,14 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, tie_word_embed
                      num_kv_heads: int = 2, head_dim: int | None = None, seed: int = 0,
                      max_position_embeddings: int = 1024, dtype: str = "float32",
                      initializer_range: float = 0.2, rope_scaling: dict | None = None,
-                     vocab_size: int = 384) -> Path:
+                     vocab_size: int = 384, thinking: bool = False) -> Path:
     """Save a seeded random checkpoint + tokenizer under out_dir; returns out_dir."""
     import torch
     import transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out_dir, vocab_size)
+    tokenizer = build_tokenizer(out_dir, vocab_size, thinking)
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config}[arch]
     kwargs = dict(

@@ -103,6 +103,7 @@ class EngineCore:
                 "block_size": engine.block_size, "vocab_size": _vocab_size(engine),
                 "max_logprobs": self.config.max_logprobs,
                 "tasks": list(_tasks(engine, self.config)), "pooling": self.config.pooling,
+                "reasoning_parser": self.config.reasoning_parser,
                 "tokenizer": pickle.dumps(engine.tokenizer), "address": list(self.server.address),
                 "stats": self.stats(), "gc_frozen_objects": gc.get_freeze_count()}
 

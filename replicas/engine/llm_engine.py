@@ -21,6 +21,7 @@ from pagedserve.replicas.execution.model_runner import ModelRunner, RunnerOutput
 from pagedserve.replicas.core.outputs import RequestOutput
 from pagedserve.replicas.core.request import PromptInput, Request
 from pagedserve.replicas.core.block_hash import block_hashes
+from pagedserve.replicas.core.reasoning import ThinkingTokens
 from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
 from pagedserve.replicas.engine.pending import PendingRequests
 from pagedserve.replicas.core.sampling_params import ParamError, SamplingParams
@@ -41,6 +42,9 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model, default_format=_default_model_format(config))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(config.tokenizer or self.model_dir))
         self.token_decoder = TokenDecoder(self.tokenizer)
+        # A reasoning model's tags: its grammars constrain only the answer after the thinking.
+        self.thinking = (ThinkingTokens.of(config.reasoning_parser, self.tokenizer)
+                         if config.reasoning_parser else None)
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.model.set_max_model_len(config.max_model_len)
         self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME
@@ -322,7 +326,7 @@ class LLMEngine:
         """A request whose grammar and adapter are ready: its matchers attached, its adapter in
         memory and held until it ends. Raises the ParamError of either that failed."""
         if request.grammar is not None:
-            attach_grammar(request)
+            attach_grammar(request, self.thinking)
         if request.adapter is not None:
             try:
                 self.lora.admit(request.adapter, hold=True)

@@ -20,6 +20,7 @@ from pagedserve.replicas.execution.penalties import (
 )
 from pagedserve.replicas.core.sequence import Sequence
 from pagedserve.replicas.execution.verify import verify
+from pagedserve.replicas.structured.matcher import is_constrained
 
 __all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
@@ -64,7 +65,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
-        constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        constrained = [i for i, seq in enumerate(seqs) if is_constrained(seq)]
         if constrained:
             self._apply_grammars(logits, seqs, constrained)
         if all(_is_plain_greedy(seq) for seq in seqs):
@@ -106,7 +107,9 @@ class Sampler:
         return self._bitmask
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-        self.bitmask(logits.shape[1]).apply(logits, rows, [seqs[i].grammar.matcher for i in rows])
+        grammars = [seqs[i].grammar for i in rows]
+        self.bitmask(logits.shape[1]).apply(logits, rows, [g.matcher for g in grammars],
+                                            [g.opening_token for g in grammars])
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]

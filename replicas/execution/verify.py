@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.replicas.core.outputs import PositionLogprobs
 from pagedserve.replicas.core.sequence import OutputTokens, Sequence
+from pagedserve.replicas.structured.matcher import is_constrained
 
 
 class DraftPosition(OutputTokens):
@@ -44,12 +45,12 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     starts, rows = [], []
     for seq, seq_drafts in zip(seqs, drafts, strict=True):
         starts.append(len(rows))
-        keep_self = seq.grammar is None
+        keep_self = not is_constrained(seq)
         rows.append(seq if keep_self else DraftPosition(seq, []))
         rows += [DraftPosition(seq, seq_drafts[:j]) for j in range(1, len(seq_drafts) + 1)]
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} positions")
-    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    constrained = [i for i, seq in enumerate(seqs) if is_constrained(seq)]
     if constrained:
         apply_grammars(sampler, logits, [seqs[i] for i in constrained],
                        [drafts[i] for i in constrained], [starts[i] for i in constrained])
@@ -89,7 +90,8 @@ def apply_grammars(sampler, logits: torch.Tensor, seqs: list[Sequence],
     consumed = [0] * len(seqs)
     for j in range(max(len(d) for d in drafts) + 1):
         at = [i for i, d in enumerate(drafts) if j <= len(d)]
-        bitmask.apply(logits, [starts[i] + j for i in at], [seqs[i].grammar.matcher for i in at])
+        bitmask.apply(logits, [starts[i] + j for i in at], [seqs[i].grammar.matcher for i in at],
+                      [seqs[i].grammar.opening_token for i in at] if j == 0 else None)
         for i in at:
             matcher = seqs[i].grammar.matcher
             # Once the grammar has ended it takes nothing more: the later rows keep its end's

@@ -103,7 +103,7 @@ class Speculator:
             # grammar that has ended takes no more tokens (the verify step samples the end).
             ends = stop_token_ids(seq)
             drafts = drafts[:next((i for i, t in enumerate(drafts) if t in ends), len(drafts))]
-            drafts = drafts[:seq.grammar.matcher.validate_tokens(drafts)]
+            drafts = drafts[:seq.grammar.num_allowed(drafts)]
         return drafts
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:

@@ -42,18 +42,27 @@ class TokenBitmask:
     def max_rows(self) -> int:
         return self.host.shape[0]
 
-    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """Mask logits[rows[j]] with matchers[j]'s allowed tokens, in place."""
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list,
+              also_allowed: list[int | None] | None = None) -> None:
+        """Mask logits[rows[j]] with matchers[j]'s allowed tokens, in place; also_allowed[j], a
+        token row j may take besides (None: none)."""
         for start in range(0, len(rows), self.max_rows):
-            self._apply(logits, rows[start:start + self.max_rows],
-                        matchers[start:start + self.max_rows])
+            end = start + self.max_rows
+            self._apply(logits, rows[start:end], matchers[start:end],
+                        also_allowed[start:end] if also_allowed else None)
 
-    def _apply(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    def _apply(self, logits: torch.Tensor, rows: list[int], matchers: list,
+               also_allowed: list[int | None] | None) -> None:
         n, vocab = len(rows), logits.shape[1]
         host = self.host[:n]
         # llguidance.torch's helper does the same, but importing it compiles with torch.compile.
         self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)],
                                                host.data_ptr(), self.num_words * 4, n)
+        if also_allowed:
+            words = host.numpy().view(np.uint32)
+            for j, token in enumerate(also_allowed):
+                if token is not None:
+                    words[j, token >> 5] |= np.uint32(1 << (token & 31))
         if self._numpy:
             np.take(_DISALLOWED, host.numpy().view(np.uint8), axis=0, out=self._unpacked[:n])
         else:

@@ -15,6 +15,7 @@ TINY_MODELS = {
     "llama_head_dim": dict(arch="llama", head_dim=32, seed=3),  # head_dim != hidden / heads
     "llama3_rope": dict(arch="llama", rope_scaling=LLAMA3_ROPE, seed=4),
     "llama_bf16": dict(arch="llama", dtype="bfloat16", seed=5),
+    "llama_thinking": dict(arch="llama", seed=7, thinking=True),  # <think> tags, one token each
 }
 
 
