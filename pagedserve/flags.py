@@ -84,6 +84,7 @@ VLLM_FLAGS: tuple[Flag, ...] = (
     Flag("max_lora_rank", ("--max-lora-rank",)),
     Flag("max_cpu_loras", ("--max-cpu-loras",)),
     Flag("speculative_config", ("--speculative-config",), note="JSON, as in vLLM"),
+    Flag("reasoning_parser", ("--reasoning-parser",)),
     Flag("api_keys", ("--api-key",), own=False),
     Flag("host", ("--host",)),
     Flag("port", ("--port",)),
@@ -163,6 +164,8 @@ MEANINGS: dict[str, str] = {
     "max_cpu_loras": "LoRA adapters kept in memory per replica (LRU); none: max_loras",
     "speculative_config": ('Speculative decoding, e.g. {"method": "ngram", '
                            '"num_speculative_tokens": 4} or {"method": "suffix"}; none: off'),
+    "reasoning_parser": ("A reasoning model's family (qwen3, deepseek_r1): its thinking in "
+                         "reasoning_content, grammars applied after it"),
     "lora_modules": "LoRA adapters served from the start: name=path ...",
     "allow_runtime_lora_updating": ("POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                     "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
@@ -197,11 +200,15 @@ MEANINGS: dict[str, str] = {
     "port": "Port of the HTTP API",
     "direct_http": "Ingress replicas serve HTTP themselves, no Ray Serve proxy; none: where "
                    "pagedserve starts Serve",
+    "grpc_port": "Port of the ingress replicas' gRPC API on host (pagedserve.v1); none: no gRPC",
     "num_ingress_replicas": "Ingress (HTTP front) replicas",
     "ingress_num_cpus": "Ray CPUs per ingress replica",
     "ingress_max_ongoing_requests": "Requests one ingress replica takes at once (503 beyond)",
     "max_stream_events_per_s": "SSE events per second per ingress; none: measured; 0: no pacing",
     "max_stream_delay_s": "Longest pacing holds back a stream's tokens",
+    "response_store_max_entries": "Stored Responses kept at most (least recently used go first)",
+    "response_store_max_bytes": "Bytes of stored Responses kept at most",
+    "response_store_ttl_s": "Seconds a stored Response is kept",
     "engine_process": "Each replica's engine steps in a process of its own (no GIL shared with "
                       "Ray Serve)",
     "engine_class": "Import path of an LLMEngine subclass for the engine core to run",

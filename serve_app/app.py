@@ -17,6 +17,7 @@ from pagedserve.replicas.model_files.embedding_model import resolve_model_name
 from pagedserve.serve_app import autoscaling as queue_depth_autoscaling
 from pagedserve.serve_app.config import ServeSettings
 from pagedserve.serve_app.core_directory import CoreDirectory
+from pagedserve.serve_app.response_store import ResponseStore
 from pagedserve.serve_app.ingress import REPLICA_DEPLOYMENT, Ingress
 from pagedserve.serve_app.routing.policy import RoutingSettings
 
@@ -26,6 +27,7 @@ SERVE_NAMESPACE = "serve"  # the Ray namespace `serve run` starts Ray in, and Se
 APP_NAME = "pagedserve"
 INGRESS_DEPLOYMENT = "Ingress"
 DIRECTORY_DEPLOYMENT = "CoreDirectory"
+RESPONSE_STORE_DEPLOYMENT = "ResponseStore"
 # Ray Serve runs user code on an event loop of its own by default: every call then crosses threads
 # twice. Our deployments never block their loop, so they take Ray's "throughput optimized"
 # placement.
@@ -107,8 +109,14 @@ def build_app(settings: ServeSettings | dict[str, Any] | None = None) -> Applica
         drain_s=settings.drain_s, stall_timeout_s=settings.engine_stall_timeout_s,
         probe_interval_s=settings.probe_interval_s, engine_process=settings.engine_process,
         engine_class=settings.engine_class)
+    store = serve.deployment(ResponseStore, name=RESPONSE_STORE_DEPLOYMENT, num_replicas=1,
+                             max_ongoing_requests=100_000,
+                             logging_config={"enable_access_log": False},
+                             ray_actor_options={"num_cpus": 0}).bind(
+        settings.response_store_max_entries, settings.response_store_max_bytes,
+        settings.response_store_ttl_s)
     return serve.deployment(Ingress, **ingress_options(settings)).bind(
-        replica, directory, settings.ingress_settings().model_dump())
+        replica, directory, settings.ingress_settings().model_dump(), store)
 
 
 def app(args: dict[str, str]) -> Application:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pagedserve.replicas.config import EngineConfig
 from pagedserve.serve_app.autoscaling import DEFAULTS as AUTOSCALING_DEFAULTS
 from pagedserve.serve_app.limits import RequestLimits
+from pagedserve.serve_app.response_store import DEFAULTS as RESPONSE_STORE_DEFAULTS
 
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 # vLLM's switch for the runtime adapter routes, honoured as the setting's default.
@@ -55,6 +56,8 @@ class IngressSettings(BaseModel):
     # through Ray Serve's proxy.
     http_host: str
     http_port: int | None
+    # The ingress replicas' gRPC server on http_host (serve_app/grpc_api/); None: none.
+    grpc_port: int | None
     max_ongoing_requests: int
     lora_modules: dict[str, str]  # LoRA adapters served from the start: name -> path
     allow_runtime_lora_updating: bool
@@ -118,6 +121,9 @@ class ServeSettings(RequestLimits):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     direct_http: bool | None = None
+    # The ingress replicas' own gRPC server on `host` (pagedserve.v1.Generate, health, reflection),
+    # shared by every ingress replica on a node, as the HTTP port is. None: no gRPC.
+    grpc_port: int | None = Field(None, ge=1, le=65535)
 
     # Ingress.
     num_ingress_replicas: int = Field(1, ge=1)
@@ -129,6 +135,12 @@ class ServeSettings(RequestLimits):
     max_stream_events_per_s: float | None = Field(None, ge=0)
     # The longest pacing holds back a stream's tokens.
     max_stream_delay_s: float = Field(DEFAULTS["max_stream_delay_s"], ge=0)
+    # Stored Responses (`store: true`), shared by the ingress replicas and kept in memory
+    # (serve_app/response_store.py): the least recently used go past either bound, any after
+    # their time to live.
+    response_store_max_entries: int = Field(RESPONSE_STORE_DEFAULTS["max_entries"], ge=0)
+    response_store_max_bytes: int = Field(RESPONSE_STORE_DEFAULTS["max_bytes"], ge=0)
+    response_store_ttl_s: float = Field(RESPONSE_STORE_DEFAULTS["ttl_s"], gt=0)
 
     # Each replica's engine steps in a process of its own (replicas/engine/core.py), where no
     # event loop competes with it for the GIL; false: in a thread of the replica's process.
@@ -235,6 +247,7 @@ class ServeSettings(RequestLimits):
                                request_timeout_s=self.request_timeout_s,
                                http_host=self.host,
                                http_port=self.port if self.direct_http else None,
+                               grpc_port=self.grpc_port,
                                max_ongoing_requests=self.ingress_max_ongoing_requests,
                                lora_modules=self.lora_adapters,
                                allow_runtime_lora_updating=self.allow_runtime_lora_updating,

@@ -3,12 +3,14 @@
 `OpenAIError` is raised anywhere in the serving path; the HTTP layer renders it, a handle caller
 receives it as an exception. 400 for bad input (FastAPI's 422 included), 401 for keys, 404 for
 unknown models and routes, 429 when the queue is full, 503 while no healthy engine is available,
-500 only for bugs.
+500 only for bugs. On Anthropic's Messages routes the same error is rendered in Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}`, with the same status.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +22,12 @@ logger = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_exceeded", 500: "server_error", 503: "server_error"}
+# The same errors in Anthropic's shape, on its Messages routes (`anthropic_error_body`).
+MESSAGES_ROUTE = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
 
 
 class OpenAIError(Exception):
@@ -44,13 +52,15 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def to_response(self) -> JSONResponse:
+    def to_response(self, path: str = "") -> JSONResponse:
+        """The error as an HTTP response, in the shape of the route at `path`."""
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(self.retry_after_s)
         if self.status_code == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=headers)
+        body = anthropic_error_body(self) if is_messages_route(path) else self.to_dict()
+        return JSONResponse(body, status_code=self.status_code, headers=headers)
 
     def sse_event(self) -> str:
         return f"data: {json.dumps(self.to_dict())}\n\n"
@@ -59,6 +69,34 @@ class OpenAIError(Exception):
 def _rebuild(message, status_code, type, param, code, retry_after_s) -> OpenAIError:
     return OpenAIError(message, status_code, type=type, param=param, code=code,
                        retry_after_s=retry_after_s)
+
+
+def is_messages_route(path: str) -> bool:
+    """Whether errors on `path` (under any route prefix) take Anthropic's shape."""
+    return path.endswith(MESSAGES_ROUTE) or f"{MESSAGES_ROUTE}/" in path
+
+
+def anthropic_error_body(exc: OpenAIError) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}`; the message names the field at fault,
+    as Anthropic's body has no `param`."""
+    message = exc.message
+    if exc.param and exc.param not in message:
+        message = f"{exc.param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(exc.status_code,
+                                "api_error" if exc.status_code >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def renamed(exc: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """The error naming its field as a door spells it: `names` maps a field of the chat or
+    completion request (the head of a dotted param such as "messages.2.content") to the door's."""
+    head, dot, rest = (exc.param or "").partition(".")
+    if head not in names:
+        return exc
+    param = names[head] + dot + rest
+    message = re.sub(rf"(?<![\w.]){re.escape(exc.param)}(?![\w.])", param, exc.message)
+    return OpenAIError(message, exc.status_code, type=exc.type, param=param, code=exc.code,
+                       retry_after_s=exc.retry_after_s)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -124,12 +162,12 @@ def from_validation_error(errors: list[dict]) -> OpenAIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError):
-        return exc.to_response()
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return exc.to_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return from_validation_error(list(exc.errors())).to_response()
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return from_validation_error(list(exc.errors())).to_response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -139,9 +177,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return OpenAIError(message, exc.status_code).to_response()
+        return OpenAIError(message, exc.status_code).to_response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception):
+    async def _bug(request: Request, exc: Exception):
         logger.exception("unhandled error in the serving path")
-        return internal_error(exc).to_response()
+        return internal_error(exc).to_response(request.url.path)

@@ -17,8 +17,10 @@ from pagedserve.serve_app.protocol import (AssistantMessage, ChatChoice, ChatCom
                                 ChatCompletionResponse, ChatCompletionStreamResponse, ChatStreamChoice,
                                 ChoiceLogprobs, CompletionChoice, CompletionLogprobs,
                                 CompletionRequest, CompletionResponse, CompletionStreamResponse,
+                                CompletionTokensDetails, Usage,
                                 DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
                                 ToolCall, random_id)
+from pagedserve.serve_app.reasoning import ChatReasoning, ReasoningSplitter
 from pagedserve.serve_app.responses import ChoiceState, LogprobFormatter, PromptState, usage
 from pagedserve.serve_app.tool_call_parser import CallStart, Content, Event, ToolCallParser
 
@@ -58,8 +60,11 @@ class _Formatter:
     def num_generated_tokens(self) -> int:
         return sum(s.num_generated_tokens for s in self.states)
 
+    def _usage(self) -> Usage:
+        return usage(self.states)
+
     def _chunk_usage(self):
-        return usage(self.states) if self.request.continuous_usage else None
+        return self._usage() if self.request.continuous_usage else None
 
     def _text_event(self, index: int, text: str) -> str:
         return (f'{self._head}{index},{self.TEXT_FIELD}{json.dumps(text, ensure_ascii=False)}'
@@ -99,7 +104,7 @@ class CompletionFormatter(_Formatter):
                                                 logprobs=logprobs, finish_reason=choice.finish_reason,
                                                 stop_reason=choice.stop_reason))
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=choices, usage=usage(self.states))
+                                  choices=choices, usage=self._usage())
 
     def _chunk(self, choices: list[CompletionChoice], final_usage=None) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
@@ -138,26 +143,45 @@ class CompletionFormatter(_Formatter):
                                                         finish_reason=cd.finish_reason,
                                                         stop_reason=cd.stop_reason)])
         if self.request.include_usage:
-            yield self._chunk([], usage(self.states))
+            yield self._chunk([], self._usage())
 
 
 class ChatFormatter(_Formatter):
     OBJECT, TEXT_FIELD, TEXT_END = "chat.completion.chunk", '"delta":{"content":', "}"
 
     def __init__(self, request: ChatCompletionRequest, info, request_id: str, sse: bool = False,
-                 tools: tool_calls.ToolSpec | None = None):
+                 tools: tool_calls.ToolSpec | None = None, prompt_text: str | None = None):
         super().__init__(request, info, request_id, 1, sse)
         self.logprobs = LogprobFormatter(info.tokenizer, request.top_logprobs or 0)
         self.tools = tools if tools is not None and tools.mode != "none" else None
+        # A reasoning model's thinking goes to reasoning_content; tools and text read the answer.
+        self.reasoning = (ChatReasoning(info.reasoning_parser, prompt_text or "", info.tokenizer)
+                          if info.reasoning_parser is not None else None)
+
+    def _splitter(self) -> ReasoningSplitter | None:
+        return self.reasoning.splitter() if self.reasoning is not None else None
+
+    def _usage(self) -> Usage:
+        total = usage(self.states)
+        if self.reasoning is not None:
+            total.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                self.reasoning.num_tokens(c.token_ids) for c in self.states[0].choices))
+        return total
 
     def _message(self, choice: ChoiceState) -> tuple[AssistantMessage, str | None]:
         """The message of a finished choice, and its finish reason ("tool_calls" for calls)."""
-        if self.tools is None or choice.finish_reason not in ("stop", "length"):
-            return AssistantMessage(content=choice.text), choice.finish_reason
-        content, calls = tool_calls.parse_calls(choice.text, self.tools)
+        reasoning, text = None, choice.text
+        if self.reasoning is not None:
+            reasoning, text = self._splitter().split(choice.text)
+            if not self.request.include_reasoning:
+                reasoning = None
+        if self.tools is None or choice.finish_reason not in ("stop", "length") or text is None:
+            return (AssistantMessage(content=text, reasoning_content=reasoning),
+                    choice.finish_reason)
+        content, calls = tool_calls.parse_calls(text, self.tools)
         if not calls:
-            return AssistantMessage(content=choice.text), choice.finish_reason
-        message = AssistantMessage(content=content, tool_calls=[
+            return AssistantMessage(content=text, reasoning_content=reasoning), choice.finish_reason
+        message = AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=[
             ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
         return message, "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
 
@@ -173,7 +197,7 @@ class ChatFormatter(_Formatter):
                                       if self.request.logprobs else None,
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=choices, usage=usage(self.states))
+                                      choices=choices, usage=self._usage())
 
     def _chunk(self, choices: list[ChatStreamChoice], final_usage=None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.request_id, created=self.created,
@@ -187,6 +211,7 @@ class ChatFormatter(_Formatter):
                 yield chunk
             return
         state = self.states[0]
+        splitters = [self._splitter() for _ in range(self.n)]
         role_sent = False
         async for _, delta in merged:
             state.add(delta)
@@ -196,21 +221,24 @@ class ChatFormatter(_Formatter):
                     yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                      content=""))])
             for cd in delta.outputs:
-                if cd.text or (self.request.logprobs and cd.token_ids):
+                reasoning, text = self._split(splitters[cd.index], cd)
+                if reasoning:
+                    yield self._delta(cd.index, DeltaMessage(reasoning_content=reasoning))
+                if text or (self.request.logprobs and cd.token_ids):
                     logprobs = self.logprobs.chat(cd.token_ids, cd.logprobs or []) \
                         if self.request.logprobs else None
                     if self.sse and logprobs is None:
-                        yield self._text_event(cd.index, cd.text)
+                        yield self._text_event(cd.index, text)
                     else:
                         yield self._chunk([ChatStreamChoice(index=cd.index,
-                                                            delta=DeltaMessage(content=cd.text),
+                                                            delta=DeltaMessage(content=text),
                                                             logprobs=logprobs)])
                 if cd.finish_reason is not None:
                     yield self._chunk([ChatStreamChoice(index=cd.index, delta=DeltaMessage(),
                                                         finish_reason=cd.finish_reason,
                                                         stop_reason=cd.stop_reason)])
         if self.request.include_usage:
-            yield self._chunk([], usage(self.states))
+            yield self._chunk([], self._usage())
 
     async def _stream_tools(self, merged: Merged) -> AsyncIterator[ChatCompletionStreamResponse]:
         """Calls stream as OpenAI's do: a call's id and name once they are known, then its
@@ -220,6 +248,7 @@ class ChatFormatter(_Formatter):
         # Per choice, the tokens whose logprobs no chunk has carried yet: text the parser holds
         # back (a possible tag, a call's name) sends its tokens' logprobs with the next chunk.
         pending = [_PendingLogprobs() for _ in range(self.n)] if self.request.logprobs else None
+        splitters = [self._splitter() for _ in range(self.n)]
         role_sent = False
         async for _, delta in merged:
             state.add(delta)
@@ -231,7 +260,10 @@ class ChatFormatter(_Formatter):
             for cd in delta.outputs:
                 i = cd.index
                 tokens = pending[i].add(cd) if pending else None
-                for chunk in self._tool_chunks(i, parsers[i].feed(cd.text), tokens):
+                reasoning, text = self._split(splitters[i], cd)
+                if reasoning:
+                    yield self._delta(i, DeltaMessage(reasoning_content=reasoning))
+                for chunk in self._tool_chunks(i, parsers[i].feed(text), tokens):
                     yield chunk
                 if cd.finish_reason is None:
                     continue
@@ -245,7 +277,7 @@ class ChatFormatter(_Formatter):
                                                     finish_reason=finish_reason,
                                                     stop_reason=cd.stop_reason)])
         if self.request.include_usage:
-            yield self._chunk([], usage(self.states))
+            yield self._chunk([], self._usage())
 
     def _tool_chunks(self, index: int, events: list[Event], tokens: _PendingLogprobs | None):
         """A chunk per event; the first to cover generated text carries the logprobs of the
@@ -264,6 +296,16 @@ class ChatFormatter(_Formatter):
                 call = DeltaToolCall(index=event.index,
                                      function=DeltaFunctionCall(arguments=event.text))
             yield self._delta(index, DeltaMessage(tool_calls=[call]), logprobs)
+
+    def _split(self, splitter: ReasoningSplitter | None, delta: CompletionOutput) -> tuple[str, str]:
+        """A delta's (reasoning, answer) text; at the choice's end, with what was held back."""
+        if splitter is None:
+            return "", delta.text
+        reasoning, text = splitter.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_reasoning, more_text = splitter.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        return (reasoning if self.request.include_reasoning else ""), text
 
     def _take_logprobs(self, tokens: _PendingLogprobs | None) -> ChoiceLogprobs | None:
         if tokens is None or not tokens.token_ids:

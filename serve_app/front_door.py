@@ -101,9 +101,9 @@ class HTTPFrontDoor:
             await JSONResponse({"id": self.door_id})(scope, receive, send)
             return
         if self.ongoing >= self.max_ongoing:
-            await errors.unavailable(f"this ingress replica is serving {self.ongoing} requests, "
-                                     f"its limit", self.retry_after_s).to_response()(
-                scope, receive, send)
+            refusal = errors.unavailable(f"this ingress replica is serving {self.ongoing} "
+                                         f"requests, its limit", self.retry_after_s)
+            await refusal.to_response(scope["path"])(scope, receive, send)
             return
         self.ongoing += 1
         try:

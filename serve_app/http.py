@@ -1,14 +1,16 @@
 """The HTTP surface: a FastAPI app built per ingress instance over its typed methods.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize,
-/detokenize, /v1/load_lora_adapter and /v1/unload_lora_adapter (under
-allow_runtime_lora_updating), /health (liveness), /health/ready (readiness: some engine
+/detokenize, the Responses API's /v1/responses (create; GET and DELETE by id), Anthropic's
+/v1/messages and /v1/messages/count_tokens, /v1/load_lora_adapter and /v1/unload_lora_adapter
+(under allow_runtime_lora_updating), /health (liveness), /health/ready (readiness: some engine
 generated lately), /metrics, /version, /docs, /openapi.json. Streams are server-sent events ending in `data: [DONE]`;
-a failure after a stream started is sent as an error event, then `data: [DONE]`.
+a failure after a stream started is sent as an error event, then `data: [DONE]`. Anthropic's
+routes answer in Anthropic's shapes instead (`pagedserve.serve_app.messages`): their errors, and
+events that end without `[DONE]`.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import AsyncIterator
 
@@ -16,12 +18,19 @@ from fastapi import FastAPI
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from pagedserve.serve_app import errors
+from pagedserve.serve_app.api_keys import authorized
 from pagedserve.serve_app.embeddings import EmbeddingRequest, EmbeddingResponse
 from pagedserve.serve_app.errors import OpenAIError
 from pagedserve.serve_app.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest,
+)
+from pagedserve.serve_app.protocol.messages import (
+    CountTokensRequest, MessagesRequest, MessagesResponse, TokenCount,
+)
+from pagedserve.serve_app.protocol.responses import (
+    DeletedResponse, ResponseObject, ResponsesRequest,
 )
 from pagedserve.serve_app.sse import CoalescingStreamingResponse
 
@@ -33,16 +42,17 @@ OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics", "/version", "/do
 COUNTED_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
                  "/v1/models": "models", "/tokenize": "tokenize", "/detokenize": "detokenize",
                  "/v1/embeddings": "embeddings", "/v1/load_lora_adapter": "load_lora_adapter",
-                 "/v1/unload_lora_adapter": "unload_lora_adapter"}
+                 "/v1/unload_lora_adapter": "unload_lora_adapter", "/v1/messages": "messages",
+                 "/v1/responses": "responses"}
 
 
 class FrontDoorMiddleware:
     """API keys, body size and request counting, as plain ASGI (no per-chunk cost on streams).
 
-    `Authorization: Bearer <key>` is required on every route but OPEN_PATHS when keys are set; the
-    token is compared with every key in constant time. A body over `max_body_bytes` is a 413: at
-    once when its Content-Length says so, else as soon as that many bytes have arrived (the rest is
-    never read).
+    `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) is required on every route
+    but OPEN_PATHS when keys are set; the token is compared with every key in constant time. A
+    body over `max_body_bytes` is a 413: at once when its Content-Length says so, else as soon as
+    that many bytes have arrived (the rest is never read).
     """
 
     def __init__(self, app, api_keys: list[str], record_status, model_name, max_body_bytes: int):
@@ -53,13 +63,9 @@ class FrontDoorMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        token = token.strip() if scheme.lower() == b"bearer" else b""
-        ok = False
-        for key in self.keys:  # no early exit: the time taken does not depend on which key matched
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        headers = dict(scope.get("headers") or [])
+        return authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key", b""),
+                          self.keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -79,12 +85,12 @@ class FrontDoorMiddleware:
         try:
             if self.keys and path not in OPEN_PATHS and scope.get("method") != "OPTIONS" \
                     and not self._authorized(scope):
-                await errors.unauthorized().to_response()(scope, receive, send_and_count)
+                await errors.unauthorized().to_response(path)(scope, receive, send_and_count)
                 return
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 bounded = await self._bounded_body(scope, receive)
                 if bounded is None:
-                    await errors.body_too_large(self.max_body_bytes).to_response()(
+                    await errors.body_too_large(self.max_body_bytes).to_response(path)(
                         scope, receive, send_and_count)
                     return
                 receive = bounded
@@ -193,6 +199,38 @@ def build_http_app(ingress) -> FastAPI:
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(request: DetokenizeRequest):
         return _json(await ingress.detokenize(request))
+
+    @app.post("/v1/responses", response_model=ResponseObject,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_response(request: ResponsesRequest):
+        result = await ingress.responses(request, sse=True)
+        if isinstance(result, ResponseObject):
+            return _json(result)
+        return CoalescingStreamingResponse(result, media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
+    async def retrieve_response(response_id: str):
+        return _json(await ingress.retrieve_response(response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
+    async def delete_response(response_id: str):
+        return _json(await ingress.delete_response(response_id))
+
+    @app.post("/v1/messages", response_model=MessagesResponse,
+              responses={200: {"content": {"text/event-stream": {}}}})
+    async def create_message(request: MessagesRequest):
+        result = await ingress.messages(request, sse=True)
+        if isinstance(result, MessagesResponse):
+            return _json(result)
+        return CoalescingStreamingResponse(result, media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/messages/count_tokens", response_model=TokenCount)
+    async def count_message_tokens(request: CountTokensRequest):
+        return _json(await ingress.count_message_tokens(request))
 
     @app.get("/health")
     async def health():

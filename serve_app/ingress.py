@@ -1,8 +1,9 @@
 """The Ingress deployment: validate, tokenize, hash, send to an engine replica, shape the answer.
 
 Its typed methods (`models`, `completions`, `chat`, `embeddings`, `tokenize`, `detokenize`,
-`load_lora_adapter`, `unload_lora_adapter`, `health`) serve both the HTTP routes
-(`pagedserve.serve_app.http`) and Ray handles from other jobs:
+`load_lora_adapter`, `unload_lora_adapter`, `health`; the Responses API's `responses`,
+`retrieve_response` and `delete_response`; Anthropic's `messages` and `count_message_tokens`) serve the HTTP routes (`pagedserve.serve_app.http`), the gRPC service
+(`pagedserve.serve_app.grpc_api`, where grpc_port is set) and Ray handles from other jobs:
 
     handle = serve.get_app_handle("pagedserve")
     response = await handle.chat.remote({"messages": [...], "max_tokens": 16})
@@ -19,16 +20,15 @@ import functools
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator
 
 from ray import serve
 
-from pagedserve.replicas.engine import cpu_binding, protocol
-from pagedserve.replicas.core.block_hash import block_hashes
-from pagedserve.replicas.core.lora_request import LoRARequest, adapter_root_hash
+from pagedserve.replicas.engine import cpu_binding
+from pagedserve.replicas.core.lora_request import LoRARequest
 from pagedserve.replicas.core.pooling import pooling_params
-from pagedserve.replicas.core.sampling_params import ParamError, RequestOutputKind
+from pagedserve.replicas.core.sampling_params import ParamError
 from pagedserve.serve_app import embeddings, errors, formatters, limits
+from pagedserve.serve_app import messages as anthropic_messages
 from pagedserve.serve_app.adapters import AdapterRegistry
 from pagedserve.serve_app.config import IngressSettings
 from pagedserve.serve_app.engine_client import EngineClient
@@ -36,7 +36,7 @@ from pagedserve.serve_app.errors import OpenAIError
 from pagedserve.serve_app.health import ReplicaHealth
 from pagedserve.serve_app.metrics import IngressMetrics
 from pagedserve.serve_app.prompts import (
-    INLINE_TOKENIZE_CHARS, ModelInfo, Prompt, chat_prompt, check_serves, completion_prompts,
+    INLINE_TOKENIZE_CHARS, ModelInfo, chat_prompt, check_serves, completion_prompts,
     encode,
 )
 from pagedserve.serve_app.protocol import (
@@ -44,11 +44,18 @@ from pagedserve.serve_app.protocol import (
     LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
     TokenizeResponse, UnloadLoRAAdapterRequest, random_id,
 )
-from pagedserve.serve_app.request_stream import RequestStream, merge_streams
+from pagedserve.serve_app.protocol.messages import (
+    CountTokensRequest, MessagesRequest, TokenCount,
+)
+from pagedserve.serve_app.protocol.responses import (
+    DeletedResponse, ResponseObject, ResponsesRequest,
+)
+from pagedserve.serve_app.responses_api import ResponsesDoor
+from pagedserve.serve_app.pipeline import RequestPipeline, generate_request
+from pagedserve.serve_app.request_stream import merge_streams
 from pagedserve.serve_app.routing.metrics import RoutingMetrics
 from pagedserve.serve_app.routing.policy import RoutingSettings
 from pagedserve.serve_app.stream_pacer import StreamPacer
-from pagedserve.serve_app.stream_text import StreamText, take_text
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,9 @@ SERVE_DRAIN_LOOP_S = 2.0
 class Ingress:
     """Front door of the application; one instance per ingress replica."""
 
-    async def __init__(self, engine_replica, directory, settings: IngressSettings | dict):
+    async def __init__(self, engine_replica, directory, settings: IngressSettings | dict,
+                       response_store):
+        """response_store: the ResponseStore deployment's handle (stored Responses)."""
         self.settings = IngressSettings.model_validate(settings)
         self.replica = engine_replica  # the control plane's calls: the model's facts, stats
         self.adapters = AdapterRegistry(directory, self.settings.lora_modules,
@@ -80,6 +89,11 @@ class Ingress:
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
         self.metrics = IngressMetrics()
+        self.pipeline = RequestPipeline(self.engines, self.pacer, self.metrics,
+                                        self.settings.request_timeout_s)
+        self.responses_door = ResponsesDoor(functools.partial(self.chat, sse=False),
+                                            self.model_info, response_store,
+                                            self.settings.retry_after_s)
         # Fetch the model's facts and tokenizer in the background: the first request then finds
         # them ready (a failure here is retried by the first request that needs them).
         self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_model_info())
@@ -91,6 +105,13 @@ class Ingress:
                 self.__serve_build_asgi_app__(), self.settings.http_host, self.settings.http_port,
                 self.settings.max_ongoing_requests, self.settings.retry_after_s, application_id())
             await self.front_door.start()
+        self.grpc_door = None
+        if self.settings.grpc_port is not None:  # grpc is imported only where it is served
+            from pagedserve.serve_app.front_door import application_id
+            from pagedserve.serve_app.grpc_api.server import GRPCDoor
+            self.grpc_door = GRPCDoor(self, self.settings.http_host, self.settings.grpc_port,
+                                      application_id())
+            await self.grpc_door.start()
 
     def reconfigure(self, config: dict) -> None:
         """Ray Serve's in-place update (`ServeSettings.ingress_user_config`): the router's
@@ -111,8 +132,15 @@ class Ingress:
         return self._http_app
 
     async def __del__(self):
-        """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP server, then
-        close the connections to the cores."""
+        """Ray Serve's shutdown, after its own drain of handle calls: drain the HTTP and gRPC
+        servers (together), then close the connections to the cores."""
+        grpc_door = getattr(self, "grpc_door", None)
+        grpc_stopped = None
+        if grpc_door is not None:
+            from pagedserve.serve_app.front_door import END_STREAMS_S
+
+            grpc_stopped = asyncio.ensure_future(
+                grpc_door.stop(self.drain_s - SERVE_DRAIN_LOOP_S - END_STREAMS_S))
         front_door = getattr(self, "front_door", None)  # None: the constructor did not finish
         if front_door is not None:
             from pagedserve.serve_app.front_door import END_STREAMS_S
@@ -121,6 +149,8 @@ class Ingress:
             await front_door.drain(left_s - END_STREAMS_S, lambda: self.engines.fail_all(
                 errors.unavailable("the server is shutting down; retry the request",
                                    self.settings.retry_after_s)))
+        if grpc_stopped is not None:
+            await grpc_stopped
         engines = getattr(self, "engines", None)
         if engines is not None:
             engines.shutdown()
@@ -143,7 +173,8 @@ class Ingress:
                         block_size=info["block_size"], vocab_size=info["vocab_size"],
                         max_logprobs=info["max_logprobs"], tokenizer=tokenizer,
                         created=int(time.time()), tasks=tuple(info["tasks"]),
-                        pooling=info.get("pooling"))
+                        pooling=info.get("pooling"),
+                        reasoning_parser=info.get("reasoning_parser"))
         return self._info
 
     async def _prefetch_model_info(self) -> None:
@@ -206,7 +237,7 @@ class Ingress:
     async def completions(self, request: CompletionRequest | dict, sse: bool = False):
         """A CompletionResponse, or (request.stream) an async iterator of CompletionStreamResponse
         (`sse`: the HTTP route's, some chunks already rendered as server-sent events)."""
-        deadline = self._deadline()
+        deadline = self.pipeline.deadline()
         request = _parse(CompletionRequest, request)
         info, lora = await self._resolve(request.model)
         check_serves(info, "generate")
@@ -217,23 +248,23 @@ class Ingress:
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         request_id = random_id("cmpl")
         started = time.monotonic()
-        generate = [self._generate_request(f"{request_id}-{i}" if len(prompts) > 1 else request_id,
-                                           p, request, request.max_tokens, request.logprobs,
-                                           prompt_logprobs, info, "prompt", lora)
+        generate = [generate_request(f"{request_id}-{i}" if len(prompts) > 1 else request_id,
+                                     p, request, request.max_tokens, request.logprobs,
+                                     prompt_logprobs, info, "prompt", lora)
                     for i, p in enumerate(prompts)]
-        streams = await self._start(generate, info.tokenizer, deadline)
+        streams = await self.pipeline.start(generate, info.tokenizer, deadline)
         formatter = formatters.CompletionFormatter(request, info, request_id, prompts, sse)
         merged = merge_streams(streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, streams,
-                                  deadline)
-        return await self._collected(formatter, merged, info, started, streams, deadline)
+            return self.pipeline.observed(formatter.stream(merged), formatter, info, started,
+                                          streams, deadline)
+        return await self.pipeline.collected(formatter, merged, info, started, streams, deadline)
 
     # -- chat ----------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest | dict, sse: bool = False):
         """A ChatCompletionResponse, or (request.stream) an async iterator of chunks (`sse`: as
         for `completions`)."""
-        deadline = self._deadline()
+        deadline = self.pipeline.deadline()
         request = _parse(ChatCompletionRequest, request)
         info, lora = await self._resolve(request.model)
         check_serves(info, "generate")
@@ -249,16 +280,56 @@ class Ingress:
                                      "top_logprobs")
         request_id = random_id("chatcmpl")
         started = time.monotonic()
-        generate = self._generate_request(request_id, prompt, request, request.max_output_tokens,
-                                          num_top if request.logprobs else None, None, info,
-                                          "messages", lora)
-        streams = await self._start([generate], info.tokenizer, deadline)
-        formatter = formatters.ChatFormatter(request, info, request_id, sse, tools)
+        generate = generate_request(request_id, prompt, request, request.max_output_tokens,
+                                    num_top if request.logprobs else None, None, info,
+                                    "messages", lora)
+        streams = await self.pipeline.start([generate], info.tokenizer, deadline)
+        formatter = formatters.ChatFormatter(request, info, request_id, sse, tools, prompt.text)
         merged = merge_streams(streams)
         if request.stream:
-            return self._observed(formatter.stream(merged), formatter, info, started, streams,
-                                  deadline)
-        return await self._collected(formatter, merged, info, started, streams, deadline)
+            return self.pipeline.observed(formatter.stream(merged), formatter, info, started,
+                                          streams, deadline)
+        return await self.pipeline.collected(formatter, merged, info, started, streams, deadline)
+
+    # -- Responses -----------------------------------------------------------------------------
+    async def responses(self, request: ResponsesRequest | dict, sse: bool = False):
+        """OpenAI's Responses API on the chat pipeline (`pagedserve.serve_app.responses_api`): a
+        ResponseObject, or (request.stream) an async iterator of its events (dicts; `sse`: as
+        server-sent events)."""
+        return await self.responses_door.create(_parse(ResponsesRequest, request), sse)
+
+    async def retrieve_response(self, response_id: str) -> ResponseObject:
+        return await self.responses_door.retrieve(response_id)
+
+    async def delete_response(self, response_id: str) -> DeletedResponse:
+        return await self.responses_door.delete(response_id)
+
+    # -- Anthropic messages --------------------------------------------------------------------
+    async def messages(self, request: MessagesRequest | dict, sse: bool = False):
+        """Anthropic's Messages API on the chat pipeline (`pagedserve.serve_app.messages`): a
+        MessagesResponse, or (request.stream) an async iterator of its stream events (`sse`: as
+        server-sent events, a failure after the start as an error event)."""
+        request = _parse(MessagesRequest, request)
+        try:
+            result = await self.chat(anthropic_messages.chat_request(request))
+        except OpenAIError as exc:
+            raise errors.renamed(exc, anthropic_messages.RENAMED_PARAMS) from None
+        if not request.stream:
+            return anthropic_messages.message_response(result)
+        events = anthropic_messages.message_events(result)
+        return anthropic_messages.sse_events(events) if sse else events
+
+    async def count_message_tokens(self, request: CountTokensRequest | dict) -> TokenCount:
+        """The prompt's length in tokens, as `messages` would template and tokenize it."""
+        chat_request = anthropic_messages.chat_request(_parse(CountTokensRequest, request))
+        info = await self._checked_model(chat_request.model)
+        limits.check_messages(chat_request, self.settings.limits, info.max_model_len)
+        try:
+            tools = chat_request.tool_spec()
+        except ParamError as exc:
+            raise errors.bad_request(str(exc), exc.param) from None
+        prompt = await chat_prompt(chat_request, info, tools)
+        return TokenCount(input_tokens=len(prompt.token_ids))
 
     # -- embeddings ----------------------------------------------------------------------------
     async def embeddings(self, request: embeddings.EmbeddingRequest | dict
@@ -322,119 +393,6 @@ class Ingress:
         """(ready, reason): some engine replica generated a token within readiness_window_s."""
         return self.replica_health.ready(self.settings.readiness_window_s,
                                          self.engines.last_generation)
-
-    # -- internals -----------------------------------------------------------------------------
-    def _generate_request(self, request_id: str, prompt: Prompt, request, max_tokens: int | None,
-                          logprobs: int | None, prompt_logprobs: int | None, info: ModelInfo,
-                          prompt_param: str, lora: LoRARequest | None = None) -> protocol.AddRequest:
-        num_prompt = len(prompt.token_ids)
-        limit = info.max_model_len
-        if max_tokens is None and num_prompt >= limit:
-            message = (f"This model's maximum context length is {limit} tokens. However, your "
-                       f"{prompt_param} resulted in {num_prompt} tokens. Please reduce the length "
-                       f"of the {prompt_param}.")
-        elif max_tokens is not None and num_prompt + max_tokens > limit:
-            message = (f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
-                       f"{prompt_param}, {max_tokens} in the completion). Please reduce the length "
-                       f"of the {prompt_param} or completion.")
-        else:
-            message = None
-        if message:
-            raise OpenAIError(message, 400, param=prompt_param, code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = limit - num_prompt
-        for token_id in [*(request.stop_token_ids or []), *map(int, request.logit_bias or {})]:
-            if not 0 <= token_id < info.vocab_size:
-                raise errors.bad_request(f"token id {token_id} is outside the vocabulary "
-                                         f"[0, {info.vocab_size})")
-        try:
-            params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
-        except ParamError as exc:
-            raise errors.bad_request(str(exc), exc.param) from None
-        # A stream wants each step's new tokens; a whole response only the finished request,
-        # unless the ingress must see its text as it grows, to stop it on a stop string.
-        wants_deltas = request.stream or bool(params.stop)
-        params.output_kind = RequestOutputKind.DELTA if wants_deltas else RequestOutputKind.FINAL_ONLY
-        take_text(params)
-        root = adapter_root_hash(lora.lora_int_id if lora is not None else None)
-        return protocol.AddRequest(request_id, prompt.token_ids, params, request.priority,
-                                   block_hashes(prompt.token_ids, info.block_size, root), lora)
-
-    def _deadline(self) -> float | None:
-        timeout_s = self.settings.request_timeout_s
-        return time.monotonic() + timeout_s if timeout_s is not None else None
-
-    async def _within(self, awaitable, deadline: float | None):
-        """awaitable, or the request's timeout error once its deadline passes."""
-        if deadline is None:
-            return await awaitable
-        try:
-            return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise errors.request_timeout(self.settings.request_timeout_s) from None
-
-    async def _start(self, requests: list[protocol.AddRequest], tokenizer,
-                     deadline: float | None = None) -> list[RequestStream]:
-        """Send every prompt to an engine core and wait for each first delta (errors surface
-        here); `tokenizer` makes their text."""
-        started = [self.engines.stream(r, StreamText(tokenizer, r.prompt_token_ids, r.params),
-                                       self.pacer)
-                   for r in requests]
-        try:
-            results = await self._within(
-                asyncio.gather(*(s.prime() for s in started), return_exceptions=True), deadline)
-        except OpenAIError as exc:  # waited past the deadline, for a core or in the queue
-            results = [exc]
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            for s in started:
-                s.cancel()
-            raise failures[0]
-        return started
-
-    def _record(self, formatter, info: ModelInfo, started: float, streams) -> None:
-        if formatter.request.stream:
-            first = min((s.first_delta_time for s in streams if s.first_delta_time),
-                        default=None)
-        else:  # only the last output came: the engine timed the first token
-            ttfts = [s.ttft_s for s in formatter.states if s.ttft_s is not None]
-            first = started + min(ttfts) if ttfts else None
-        self.metrics.record_request(info.name, started, first, formatter.num_prompt_tokens,
-                                    formatter.num_cached_tokens, formatter.num_generated_tokens)
-
-    async def _collected(self, formatter, merged, info: ModelInfo, started: float,
-                         streams: list[RequestStream], deadline: float | None = None):
-        try:
-            return await self._within(formatter.collect(merged), deadline)
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        finally:
-            self._record(formatter, info, started, streams)
-
-    async def _observed(self, chunks: AsyncIterator, formatter, info: ModelInfo, started: float,
-                        streams: list[RequestStream], deadline: float | None = None
-                        ) -> AsyncIterator:
-        finished = False
-        try:
-            if deadline is None:
-                async for chunk in chunks:
-                    yield chunk
-            else:  # each chunk awaited under the deadline (a task per chunk: only when asked)
-                while True:
-                    try:
-                        chunk = await self._within(anext(chunks), deadline)
-                    except StopAsyncIteration:
-                        break
-                    yield chunk
-            finished = True
-        finally:
-            if not finished:  # the client left or the stream failed: stop the engines' work
-                for s in streams:
-                    s.cancel()
-            self._record(formatter, info, started, streams)
 
 
 def _parse(model_cls, request):

@@ -3,7 +3,7 @@
 A request must never be able to make the server slow for everyone: each list, string and count a
 client controls has a limit (a setting), and going past one is a 400 naming the field before any
 work is queued. Bodies are bounded in bytes by the HTTP layer (413, `pagedserve.serve_app.http`); prompts in
-tokens by the model's context (`Ingress._generate_request`), and in characters before they are
+tokens by the model's context (`pipeline.generate_request`), and in characters before they are
 tokenized, so a megabyte of text is refused without spending the tokenizer on it.
 """
 from __future__ import annotations

@@ -24,6 +24,7 @@ class ModelInfo:
     created: int
     tasks: tuple[str, ...] = ("generate",)  # what the model serves: "generate", "embed"
     pooling: str | None = None  # a decoder's pooling mode, where it embeds
+    reasoning_parser: str | None = None  # a reasoning model's family (its thinking split off)
 
 
 @dataclass

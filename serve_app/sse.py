@@ -86,3 +86,9 @@ def _abandon(step, exc: BaseException) -> None:
         step.throw(exc)
     except BaseException:  # noqa: BLE001 - it ended, which is all that is wanted here
         pass
+
+
+def named_event(kind: str, data: str) -> str:
+    """One server-sent event with its `event:` name, as the Responses and Messages APIs send
+    them; `data` is the event's JSON."""
+    return f"event: {kind}\ndata: {data}\n\n"

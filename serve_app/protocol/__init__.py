@@ -12,7 +12,7 @@ from pagedserve.serve_app.protocol.chat import (AssistantMessage, ChatChoice, Ch
                                      DeltaToolCall, FunctionCall, TextPart, TokenLogprob, ToolCall,
                                      TopLogprob)
 from pagedserve.serve_app.protocol.common import (
-    PromptTokensDetails, SamplingFields, StreamOptions, Usage, random_id, response_format_params,
+    CompletionTokensDetails, PromptTokensDetails, SamplingFields, StreamOptions, Usage, random_id, response_format_params,
 )
 from pagedserve.serve_app.protocol.completions import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -29,7 +29,7 @@ __all__ = [
     "AssistantMessage", "ChatChoice", "ChatCompletionRequest", "ChatCompletionResponse",
     "ChatCompletionStreamResponse", "ChatFinishReason", "ChatMessage", "ChatStreamChoice",
     "ChoiceLogprobs", "CompletionChoice", "CompletionLogprobs", "CompletionRequest",
-    "CompletionResponse", "CompletionStreamResponse", "DeltaFunctionCall", "DeltaMessage",
+    "CompletionResponse", "CompletionStreamResponse", "CompletionTokensDetails", "DeltaFunctionCall", "DeltaMessage",
     "DeltaToolCall", "DetokenizeRequest", "DetokenizeResponse", "FunctionCall", "ModelCard",
     "ModelList", "Prompt", "PromptTokensDetails", "SamplingFields", "StreamOptions", "TextPart",
     "TokenLogprob", "TokenizeChatRequest", "TokenizeCompletionRequest", "TokenizeRequest",

@@ -49,6 +49,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # under a reasoning parser: False drops reasoning_content
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -105,6 +106,7 @@ class ToolCall(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (vLLM's field)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -151,6 +153,7 @@ class DeltaToolCall(_DropNone):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

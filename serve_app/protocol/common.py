@@ -159,8 +159,13 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # under a reasoning parser

@@ -43,6 +43,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory) -> str:
+    """A tiny reasoning model: `<think>` and `</think>` one token each, a Qwen3-style template."""
+    from tests.tiny_models import build_tiny_model
+    return str(build_tiny_model(tmp_path_factory.mktemp("thinking") / "llama", "llama", seed=7,
+                                thinking=True))
+
+
+@pytest.fixture(scope="session")
 def fault_file(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fault") / "trigger"
 
@@ -74,12 +82,23 @@ def deploy(settings: dict, name: str, route_prefix: str):
 
 @pytest.fixture(scope="session")
 def app(cluster, tiny_model_dir):
-    """The main application: 2 replicas of the tiny model, keys required, HTTP from the ingress."""
-    port = free_port()
+    """The main application: 2 replicas of the tiny model, keys required, HTTP and gRPC from the
+    ingress."""
+    port, grpc_port = free_port(), free_port()
     deploy(dict(model=tiny_model_dir, num_replicas=2, replica_num_cpus=0.5, api_keys=API_KEY,
-                health_check_period_s=1.0, direct_http=True, port=port, **ENGINE_ARGS),
+                health_check_period_s=1.0, direct_http=True, port=port, grpc_port=grpc_port,
+                **ENGINE_ARGS),
            "pagedserve", "/")
-    return SimpleNamespace(base_url=f"http://127.0.0.1:{port}", name="pagedserve", cluster=cluster)
+    return SimpleNamespace(base_url=f"http://127.0.0.1:{port}", name="pagedserve", cluster=cluster,
+                           grpc_port=grpc_port)
+
+
+@pytest.fixture(scope="session")
+def thinking_app(cluster, thinking_model_dir):
+    """The tiny reasoning model under deepseek_r1's parser, one replica, through Serve's proxy."""
+    deploy(dict(model=thinking_model_dir, num_replicas=1, replica_num_cpus=0.5, api_keys=API_KEY,
+                reasoning_parser="deepseek_r1", **ENGINE_ARGS), "thinking", "/thinking")
+    return SimpleNamespace(base_url=f"{cluster.base_url}/thinking", name="thinking")
 
 
 @pytest.fixture(scope="session")

@@ -121,7 +121,7 @@ def test_sse_text_events_are_the_models_bytes(text):
     )
 
     class Info:
-        name, tokenizer = "my-model", None
+        name, tokenizer, reasoning_parser = "my-model", None, None
 
     completion = CompletionRequest(prompt="x", stream=True)
     f = CompletionFormatter(completion, Info, "cmpl-1", ["x"], sse=True)
@@ -140,7 +140,7 @@ def test_chat_stream_chunk_order():
     from pagedserve.serve_app.formatters import ChatFormatter
 
     class Info:
-        name, tokenizer = "m", None
+        name, tokenizer, reasoning_parser = "m", None, None
 
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True,
                                     stream_options={"include_usage": True})

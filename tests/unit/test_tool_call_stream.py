@@ -22,7 +22,7 @@ AUTO = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "R
 
 
 class Info:
-    name, tokenizer = "m", None
+    name, tokenizer, reasoning_parser = "m", None, None
 
 
 def formatter(tool_choice, stream: bool, **logprobs) -> ChatFormatter:
