@@ -27,6 +27,9 @@ WARMUP_S = PUBLISH_PERIOD_S + 1.0
 
 
 class CoreDirectory:
+    """Its methods are coroutines, so Ray Serve runs them one at a time on the replica's event
+    loop, where `watch` waits (its plain methods may run in threads at once)."""
+
     def __init__(self, clock=time.monotonic, warmup_s: float = WARMUP_S):
         self.clock = clock
         self.ready_at = clock() + warmup_s
@@ -36,7 +39,7 @@ class CoreDirectory:
         self.version = 0
         self._changed = asyncio.Event()
 
-    def publish(self, replica_id: str, address: list) -> None:
+    async def publish(self, replica_id: str, address: list) -> None:
         """address: [host, port, token] of the replica's core."""
         old = self.entries.get(replica_id)
         self.entries[replica_id] = (list(address), self.clock())
@@ -44,11 +47,11 @@ class CoreDirectory:
             self._bump()
         self._expire()
 
-    def withdraw(self, replica_id: str) -> None:
+    async def withdraw(self, replica_id: str) -> None:
         if self.entries.pop(replica_id, None) is not None:
             self._bump()
 
-    def register_adapter(self, name: str, path: str) -> tuple[list | None, bool]:
+    async def register_adapter(self, name: str, path: str) -> tuple[list | None, bool]:
         """([name, id, path] of the adapter, whether this call listed it): under a new id unless
         it is listed with this path; (None, False) where another adapter has this name."""
         listed = self.adapters.get(name)
@@ -59,7 +62,7 @@ class CoreDirectory:
         self._bump()
         return self.adapters[name], True
 
-    def remove_adapter(self, name: str) -> list | None:
+    async def remove_adapter(self, name: str) -> list | None:
         listed = self.adapters.pop(name, None)
         if listed is not None:
             self._bump()
