@@ -6,6 +6,8 @@ the same 400 (`OpenAIError` naming it) on every door; only the names that differ
 """
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 from pagedserve.serve_app import errors
@@ -42,6 +44,13 @@ def generate_request(message) -> CompletionRequest | ChatCompletionRequest:
         fields["stop_token_ids"] = list(message.stop_token_ids)
     if message.ignore_eos:
         fields["ignore_eos"] = True
+    if message.HasField("json_schema"):
+        try:
+            schema = json.loads(message.json_schema)
+        except ValueError as exc:
+            raise errors.bad_request(f"json_schema is not JSON: {exc}", "json_schema") from None
+        fields["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": "output", "schema": schema}}
     has_prompt = message.HasField("prompt")
     if has_prompt == bool(message.messages):
         raise errors.bad_request("set exactly one of prompt and messages", "prompt")

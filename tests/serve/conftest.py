@@ -94,14 +94,6 @@ def app(cluster, tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def thinking_app(cluster, thinking_model_dir):
-    """The tiny reasoning model under deepseek_r1's parser, one replica, through Serve's proxy."""
-    deploy(dict(model=thinking_model_dir, num_replicas=1, replica_num_cpus=0.5, api_keys=API_KEY,
-                reasoning_parser="deepseek_r1", **ENGINE_ARGS), "thinking", "/thinking")
-    return SimpleNamespace(base_url=f"{cluster.base_url}/thinking", name="thinking")
-
-
-@pytest.fixture(scope="session")
 def http(app):
     with httpx.Client(base_url=app.base_url, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as client:

@@ -1,8 +1,12 @@
 """The gRPC door of the running app, with a client built from the shipped .proto: greedy text equals
-the HTTP route's, usage, models, errors as status codes, keys, cancellation, health, reflection."""
+the HTTP route's, usage, structured output, models, errors as status codes, keys, cancellation,
+health, reflection."""
 from __future__ import annotations
 
+import json
+
 import grpc
+import jsonschema
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -90,6 +94,18 @@ def test_a_bad_value_is_invalid_argument_naming_the_field(stub):
     error = error_of(lambda: generate(stub, prompt="hi " * 600, max_tokens=4))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("prompt: ")
+
+
+def test_a_json_schema_constrains_the_text(stub):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
+              "required": ["a"], "additionalProperties": False}
+    for fields in ({"prompt": "hello"}, {"messages": [pb.ChatMessage(role="user", content="hi")]}):
+        messages = generate(stub, **fields, max_tokens=40, temperature=0,
+                            json_schema=json.dumps(schema))
+        jsonschema.validate(json.loads("".join(m.text for m in messages)), schema)
+    error = error_of(lambda: generate(stub, prompt="hi", json_schema="{not json"))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("json_schema: ")
 
 
 def test_an_unknown_model_is_not_found(stub):

@@ -1,6 +1,7 @@
 """A reasoning model served for real: its thinking arrives in `reasoning_content`, whole or
 streamed, and never in `content` or a tool call's arguments; grammars constrain only the answer;
-`chat_template_kwargs` reach the template."""
+`chat_template_kwargs` reach the template; the Responses and Messages doors carry the thinking
+as a reasoning item and a thinking block."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.serve.conftest import API_KEY, ENGINE_ARGS
+from tests.serve.conftest import API_KEY, ENGINE_ARGS, deploy
 
 MODEL = ENGINE_ARGS["served_model_name"]
 END_ID = 385  # `</think>` in the tiny reasoning model's vocabulary
@@ -17,6 +18,18 @@ ASK = [{"role": "user", "content": "numbers 1 2 3"}]
 PUSH = {"logit_bias": {str(END_ID): 1}}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99}},
           "required": ["a"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def thinking_app(cluster, thinking_model_dir):
+    """The tiny reasoning model under deepseek_r1's parser, one replica, through Serve's proxy."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    deploy(dict(model=thinking_model_dir, num_replicas=1, replica_num_cpus=0.5, api_keys=API_KEY,
+                reasoning_parser="deepseek_r1", **ENGINE_ARGS), "thinking", "/thinking")
+    yield SimpleNamespace(base_url=f"{cluster.base_url}/thinking", name="thinking")
+    serve.delete("thinking")
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +119,28 @@ def test_chat_template_kwargs_close_the_thinking(client):
     message = response.choices[0].message
     assert message.reasoning_content is None
     assert isinstance(json.loads(message.content), dict)
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(client):
+    ask = dict(model=MODEL, input="numbers 1 2 3", max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**ask)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0,
+                                          messages=[{"role": "user", "content": "numbers 1 2 3"}])
+    reasoning = [item for item in whole.output if item.type == "reasoning"]
+    assert reasoning[0].content[0].text == chat.choices[0].message.reasoning_content
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reasoning[0].content[0].text
+
+
+def test_messages_carry_the_thinking_as_a_thinking_block(thinking_app, client):
+    import anthropic
+    ask = [{"role": "user", "content": "quick tokens"}]  # its thinking ends on its own, early
+    chat = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, messages=ask)
+    messages = anthropic.Anthropic(base_url=thinking_app.base_url, api_key=API_KEY, max_retries=0)
+    message = messages.messages.create(model=MODEL, max_tokens=24, messages=ask,
+                                       extra_body={"temperature": 0})
+    thinking, text = message.content
+    assert (thinking.type, thinking.thinking) == ("thinking", chat.choices[0].message.reasoning_content)
+    assert (text.type, text.text) == ("text", chat.choices[0].message.content)

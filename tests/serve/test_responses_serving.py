@@ -1,8 +1,8 @@
 """The Responses API served for real, through the `openai` SDK and the OpenAI Agents SDK
 unchanged: whole and streamed responses (the deltas join to the final text, events in OpenAI's
 order), structured output parsed into a pydantic model, function tools, a conversation chained
-by previous_response_id, retrieve and delete, a reasoning model's thinking as a reasoning item,
-and errors naming the field."""
+by previous_response_id, retrieve and delete, and errors naming the field (a reasoning model's
+thinking as a reasoning item: tests/serve/test_reasoning_serving.py)."""
 from __future__ import annotations
 
 import json
@@ -168,18 +168,3 @@ def test_the_agents_sdk_runs_a_tool_to_its_final_output(app):
     result = Runner.run_sync(agent, "add 2 and 3", run_config=RunConfig(tracing_disabled=True),
                              max_turns=3)
     assert len(calls) == 1 and result.final_output == str(sum(calls[0]))
-
-
-def test_a_reasoning_models_thinking_is_a_reasoning_item(thinking_app):
-    from openai import OpenAI
-    client = OpenAI(base_url=f"{thinking_app.base_url}/v1", api_key=API_KEY, max_retries=0)
-    ask = dict(model=MODEL, input="numbers 1 2 3", max_output_tokens=24, temperature=0)
-    whole = client.responses.create(**ask)
-    chat = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0,
-                                          messages=[{"role": "user", "content": "numbers 1 2 3"}])
-    reasoning = [item for item in whole.output if item.type == "reasoning"]
-    assert reasoning[0].content[0].text == chat.choices[0].message.reasoning_content
-    with client.responses.stream(**ask) as stream:
-        events = list(stream)
-    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
-    assert streamed == reasoning[0].content[0].text
