@@ -143,12 +143,16 @@ async def _sse(chunks: AsyncIterator) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+def _event_stream(events: AsyncIterator[str]) -> Response:
+    return CoalescingStreamingResponse(events, media_type="text/event-stream",
+                                       headers={"Cache-Control": "no-cache",
+                                                "X-Accel-Buffering": "no"})
+
+
 def _result(result) -> Response:
     if isinstance(result, (CompletionResponse, ChatCompletionResponse)):
         return _json(result)
-    return CoalescingStreamingResponse(_sse(result), media_type="text/event-stream",
-                                       headers={"Cache-Control": "no-cache",
-                                                "X-Accel-Buffering": "no"})
+    return _event_stream(_sse(result))
 
 
 def build_http_app(ingress) -> FastAPI:
@@ -204,11 +208,7 @@ def build_http_app(ingress) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_response(request: ResponsesRequest):
         result = await ingress.responses(request, sse=True)
-        if isinstance(result, ResponseObject):
-            return _json(result)
-        return CoalescingStreamingResponse(result, media_type="text/event-stream",
-                                           headers={"Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
+        return _json(result) if isinstance(result, ResponseObject) else _event_stream(result)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def retrieve_response(response_id: str):
@@ -222,11 +222,7 @@ def build_http_app(ingress) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}}}})
     async def create_message(request: MessagesRequest):
         result = await ingress.messages(request, sse=True)
-        if isinstance(result, MessagesResponse):
-            return _json(result)
-        return CoalescingStreamingResponse(result, media_type="text/event-stream",
-                                           headers={"Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
+        return _json(result) if isinstance(result, MessagesResponse) else _event_stream(result)
 
     @app.post("/v1/messages/count_tokens", response_model=TokenCount)
     async def count_message_tokens(request: CountTokensRequest):

@@ -269,10 +269,7 @@ class Ingress:
         info, lora = await self._resolve(request.model)
         check_serves(info, "generate")
         limits.check_chat(request, self.settings.limits, info.max_model_len)
-        try:
-            tools = request.tool_spec()
-        except ParamError as exc:
-            raise errors.bad_request(str(exc), exc.param) from None
+        tools = _tool_spec(request)
         prompt = await chat_prompt(request, info, tools)
         num_top = request.top_logprobs or 0
         if num_top > info.max_logprobs:
@@ -324,11 +321,7 @@ class Ingress:
         chat_request = anthropic_messages.chat_request(_parse(CountTokensRequest, request))
         info = await self._checked_model(chat_request.model)
         limits.check_messages(chat_request, self.settings.limits, info.max_model_len)
-        try:
-            tools = chat_request.tool_spec()
-        except ParamError as exc:
-            raise errors.bad_request(str(exc), exc.param) from None
-        prompt = await chat_prompt(chat_request, info, tools)
+        prompt = await chat_prompt(chat_request, info, _tool_spec(chat_request))
         return TokenCount(input_tokens=len(prompt.token_ids))
 
     # -- embeddings ----------------------------------------------------------------------------
@@ -393,6 +386,14 @@ class Ingress:
         """(ready, reason): some engine replica generated a token within readiness_window_s."""
         return self.replica_health.ready(self.settings.readiness_window_s,
                                          self.engines.last_generation)
+
+
+def _tool_spec(request: ChatCompletionRequest):
+    """The request's checked tools and tool_choice; a 400 naming the field otherwise."""
+    try:
+        return request.tool_spec()
+    except ParamError as exc:
+        raise errors.bad_request(str(exc), exc.param) from None
 
 
 def _parse(model_cls, request):

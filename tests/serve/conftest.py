@@ -129,6 +129,23 @@ def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 20.0) -> 
     return seen
 
 
+def generated_tokens(app_name: str, num_replicas: int) -> int:
+    """Tokens the app's engines have generated so far, all replicas together."""
+    return sum(s["num_generation_tokens"] for s in replica_stats(app_name, num_replicas).values())
+
+
+def wait_until_idle(app_name: str, num_replicas: int, timeout_s: float = 10.0) -> int:
+    """Wait until no engine has a request and every KV block is free (an aborted request has
+    let go of its blocks); then the tokens generated so far."""
+    def idle():
+        stats = replica_stats(app_name, num_replicas)
+        free = all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
+                   and s["num_waiting"] == 0 for s in stats.values())
+        return free and (sum(s["num_generation_tokens"] for s in stats.values()),)
+
+    return wait_for(idle, timeout_s, 0.2, "every KV block to be free")[0]
+
+
 def core_digests(app_name: str, timeout_s: float = 20.0) -> dict[str, dict]:
     """Each engine core's routing digest, full snapshot included, as an ingress receives it on
     joining: connect to every core the app's directory lists."""

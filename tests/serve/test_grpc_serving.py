@@ -11,7 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.serve_app.grpc_api import schema
-from tests.serve.conftest import API_KEY, MODEL_NAME, replica_stats, wait_for
+from tests.serve.conftest import (
+    API_KEY, MODEL_NAME, generated_tokens, wait_for, wait_until_idle,
+)
 
 pb, services = schema.modules()
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -115,23 +117,13 @@ def test_an_unknown_model_is_not_found(stub):
 
 
 def test_cancelling_a_stream_aborts_it_and_frees_its_blocks(app, stub):
-    def totals():
-        stats = replica_stats(app.name, 2)
-        return stats, sum(s["num_generation_tokens"] for s in stats.values())
-
-    _, generated_before = totals()
+    generated_before = generated_tokens(app.name, 2)
     call = stub.Generate(pb.GenerateRequest(prompt="hello world", max_tokens=400, ignore_eos=True,
                                             temperature=0), metadata=AUTH, timeout=60)
     assert next(call).text
     call.cancel()
 
-    def all_free():
-        stats, generated = totals()
-        free = all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
-                   and s["num_waiting"] == 0 for s in stats.values())
-        return free and (generated,)
-
-    generated_after, = wait_for(all_free, 10, 0.2, "every KV block to be free")
+    generated_after = wait_until_idle(app.name, 2)
     assert generated_after - generated_before < 400, "the request ran to the end: not aborted"
 
 

@@ -10,7 +10,9 @@ import textwrap
 import httpx
 
 from pagedserve import SamplingParams
-from tests.serve.conftest import API_KEY, MODEL_NAME, REPO, replica_stats, wait_for
+from tests.serve.conftest import (
+    API_KEY, MODEL_NAME, REPO, generated_tokens, replica_stats, wait_for, wait_until_idle,
+)
 
 WORDS = "the quick brown fox jumps over lazy dog paged attention blocks cache prefix".split()
 
@@ -47,11 +49,7 @@ def test_32_concurrent_streams_over_2_replicas(app, offline_llm):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(app):
-    def totals():
-        stats = replica_stats(app.name, 2)
-        return stats, sum(s["num_generation_tokens"] for s in stats.values())
-
-    _, generated_before = totals()
+    generated_before = generated_tokens(app.name, 2)
     body = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 500, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.Client(base_url=app.base_url, timeout=30,
@@ -63,13 +61,7 @@ def test_client_disconnect_aborts_and_frees_blocks(app):
             assert any(line.startswith("data: {") for line in received)
         # leaving the block closes the connection mid-stream
 
-    def all_free():
-        stats, generated = totals()
-        free = all(s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_running"] == 0
-                   and s["num_waiting"] == 0 for s in stats.values())
-        return free and (generated,)
-
-    generated_after, = wait_for(all_free, 10, 0.2, "every KV block to be free")
+    generated_after = wait_until_idle(app.name, 2)
     assert generated_after - generated_before < 500, "the request ran to the end: it was not aborted"
 
 
