@@ -79,7 +79,9 @@ def test_past_its_limit_the_core_refuses_and_the_request_waits_its_turn(tiny_mod
     long = SamplingParams(max_tokens=60, **GREEDY)
 
     async def main():
-        async with running_core(config(model_dir), max_requests=1) as (core, client):
+        # A slowed engine: the first request is still running when the second arrives.
+        async with running_core(config(model_dir), max_requests=1,
+                                engine_class="tests.serve.slow_engine:SlowEngine") as (core, client):
             first = await started(client, "first", [5] * 20, long)
             second = asyncio.ensure_future(generate(client, "second", [6] * 20, long))
             await wait_until(lambda: len(client.waiting) == 1)  # refused: queued here
