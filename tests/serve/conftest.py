@@ -65,8 +65,15 @@ def cluster(fault_file):
     # A cluster of its own, whatever else runs on the machine (`ray start` elsewhere).
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
              _system_config={"metrics_report_interval_ms": 1000})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for attempt in range(3):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except ray.exceptions.RayError:  # the port was taken before the proxy bound it
+            serve.shutdown()
+            if attempt == 2:
+                raise
     yield SimpleNamespace(port=port, base_url=f"http://127.0.0.1:{port}",
                           gcs_address=ray.get_runtime_context().gcs_address)
     serve.shutdown()
