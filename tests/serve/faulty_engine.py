@@ -16,7 +16,7 @@ from pagedserve.replicas.config import EngineConfig
 from pagedserve.replicas.engine.core import PROBE_ID_PREFIX
 from pagedserve.replicas.engine.llm_engine import LLMEngine
 
-STEPS_BEFORE_FAULT = 3
+STEPS_BEFORE_FAULT = 8
 STALL_S = 600.0
 
 
