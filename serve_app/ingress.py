@@ -92,8 +92,7 @@ class Ingress:
         self.pipeline = RequestPipeline(self.engines, self.pacer, self.metrics,
                                         self.settings.request_timeout_s)
         self.responses_door = ResponsesDoor(functools.partial(self.chat, sse=False),
-                                            self.model_info, response_store,
-                                            self.settings.retry_after_s)
+                                            response_store, self.settings.retry_after_s)
         # Fetch the model's facts and tokenizer in the background: the first request then finds
         # them ready (a failure here is retried by the first request that needs them).
         self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_model_info())

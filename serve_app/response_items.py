@@ -169,10 +169,12 @@ def chat_request(request: ResponsesRequest, history: list[dict[str, Any]]
         raise errors.renamed(errors.from_validation_error(exc.errors()), CHAT_NAMES) from None
 
 
-def new_response(request: ResponsesRequest, model: str) -> ResponseObject:
-    """The response object before any output: the request's settings echoed, as OpenAI does."""
+def new_response(request: ResponsesRequest) -> ResponseObject:
+    """The response object before any output: the request's settings echoed, as OpenAI does.
+    Its model is the one the chat route resolved, set from the answer's first chunk (or the
+    whole answer) before any event or result shows it."""
     return ResponseObject(
-        status="in_progress", model=model, instructions=request.instructions,
+        status="in_progress", model="", instructions=request.instructions,
         max_output_tokens=request.max_output_tokens,
         previous_response_id=request.previous_response_id, temperature=request.temperature,
         top_p=request.top_p, tools=request.tools or [], tool_choice=request.tool_choice or "auto",

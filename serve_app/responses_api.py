@@ -38,10 +38,9 @@ def not_found(response_id: str, param: str | None = None) -> OpenAIError:
 
 
 class ResponsesDoor:
-    def __init__(self, chat, model_info, store, retry_after_s: int):
+    def __init__(self, chat, store, retry_after_s: int):
         """chat: the ingress's chat method; store: a handle to the ResponseStore deployment."""
         self.chat = chat
-        self.model_info = model_info
         self.store = store
         self.retry_after_s = retry_after_s
 
@@ -53,8 +52,7 @@ class ResponsesDoor:
             history = (await self._load(request.previous_response_id,
                                         "previous_response_id"))["messages"]
         chat, conversation = response_items.chat_request(request, history)
-        info = await self.model_info()
-        response = response_items.new_response(request, request.model or info.name)
+        response = response_items.new_response(request)
         answer = await self.chat(chat)
         if not request.stream:
             response_items.completed(response, answer)

@@ -90,11 +90,6 @@ async def chunks(items):
         yield item
 
 
-class Tokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return text.split()
-
-
 def run(agen):
     async def collect():
         return [e async for e in agen]
@@ -115,7 +110,7 @@ def test_events_follow_openais_order_for_each_item():
               chunk(DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=DeltaFunctionCall(
                   arguments=' 1}'))])),
               chunk(DeltaMessage(), finish_reason="tool_calls"), chunk(None, usage=usage)]
-    response = response_items.new_response(request(input="x"), "m")
+    response = response_items.new_response(request(input="x"))
     stream_events = ResponseEvents(response)
     events = run(stream_events.events(chunks(stream))) + [stream_events.completed()]
     assert [e["type"] for e in events] == [
@@ -147,10 +142,7 @@ def test_a_failure_after_the_start_is_an_error_event_and_nothing_is_stored():
         return chunks([chunk(DeltaMessage(content="a")),
                        OpenAIError("the engine failed", 503, code="service_unavailable")])
 
-    async def model_info():
-        return type("Info", (), {"name": "m", "tokenizer": Tokenizer()})()
-
-    door = ResponsesDoor(chat, model_info, Store(), 1)
+    door = ResponsesDoor(chat, Store(), 1)
     events = run(asyncio.run(door.create(request(input="x", stream=True))))
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "service_unavailable"
@@ -197,11 +189,8 @@ def test_a_streamed_response_is_stored_before_its_last_event():
     async def chat(_):
         return chunks([chunk(DeltaMessage(content="a")), chunk(DeltaMessage(), finish_reason="stop")])
 
-    async def model_info():
-        return type("Info", (), {"name": "m", "tokenizer": Tokenizer()})()
-
     async def main():
-        events = await ResponsesDoor(chat, model_info, Store(), 1).create(
+        events = await ResponsesDoor(chat, Store(), 1).create(
             request(input="x", stream=True))
         async for event in events:
             if event["type"] == "response.completed":
